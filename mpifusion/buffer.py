@@ -1,0 +1,703 @@
+"""Fused buffers: params and grads in flat arrays, reduced over MPI in one collective.
+
+State machine of a ``FusedCommBuffer`` (one training step):
+
+* every ``add_grad(param)`` counts a micro-step for that param; at ``acc_steps`` the param
+  is *checked in* (``checked_in`` of ``len(params)``);
+* when all are checked in (and ``use_comm``), ``comm_grads`` starts the collective and a
+  ``CommTask`` is held; ``scale_grads`` waits for it, scales, and resets the counters;
+* ``status`` tracks the *param* buffer of a reduce-scatter buffer: READY (full params
+  valid), SHARDED (only this rank's shard is valid), SYNCING (``sync_params`` in flight).
+
+Every check that can fail runs before anything is changed, so an error leaves grads,
+counters and buffers as they were.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import weakref
+from typing import Any, Optional, Sequence
+
+from mpi4py import MPI
+
+from . import backend
+from .comm import CommTask, Communicator
+from .dtypes import as_dtype, float32
+from .errors import CheckInError, CommError, GradError, LayoutError, NanInfError
+from .layout import FlatLayout, plan_flat, plan_sharded
+from .param import Param
+
+logger = logging.getLogger("mpifusion")
+
+#: Environment switches for the NaN/Inf check before communication (Paddle's name works too).
+NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
+TIMEOUT_ENV = "MPIFUSION_TIMEOUT"
+
+
+class HookAction(enum.IntEnum):
+    """What a buffer does with its grads once all params checked in."""
+
+    ALL_REDUCE = 0
+    REDUCE = 1
+    REDUCE_SCATTER = 2
+
+    @classmethod
+    def parse(cls, value: Any) -> "HookAction":
+        if isinstance(value, str):
+            key = value.strip().upper().replace("-", "_")
+            key = {"ALLREDUCE": "ALL_REDUCE", "REDUCESCATTER": "REDUCE_SCATTER"}.get(key, key)
+            if key in cls.__members__:
+                return cls[key]
+        elif value is not None and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                pass
+        raise LayoutError(f"act: expected HookAction.ALL_REDUCE, REDUCE or REDUCE_SCATTER "
+                          f"(or 'all_reduce', 'reduce', 'reduce_scatter'), got {value!r}")
+
+
+#: Paddle's name for the same enum.
+HOOK_ACTION = HookAction
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on", "y", "t")
+
+
+def naninf_check_enabled() -> bool:
+    return any(_truthy(os.environ.get(k)) for k in NANINF_ENV)
+
+
+def default_timeout() -> Optional[float]:
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}: expected a number of seconds, got {value!r}") from None
+    return seconds if seconds > 0 else None
+
+
+def _world_rank() -> int:
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+
+
+def _grad_of(param: Param, use_main_grad: bool) -> Any:
+    return param.main_grad if use_main_grad else param.grad
+
+
+def _set_grad(param: Param, use_main_grad: bool, value: Any) -> None:
+    if use_main_grad:
+        param.main_grad = value
+    else:
+        param.grad = value
+
+
+def _check_trainable(params: Sequence[Param], rank: int) -> None:
+    for p in params:
+        if not p.trainable:
+            raise LayoutError(f"rank {rank}: param '{p.name}': expected a trainable param "
+                              f"(only trainable params are fused), got trainable=False")
+
+
+def _plan(plan_fn, params, *args, rank: int) -> FlatLayout:
+    try:
+        return plan_fn(params, *args)
+    except ValueError as exc:
+        raise LayoutError(f"rank {rank}: {exc}") from None
+
+
+def _share_params(params: Sequence[Param], layout: FlatLayout, param_buffer: Any) -> None:
+    """Copy each param into its slot and make ``param.data`` a view of the slot."""
+    for p in params:
+        slot = layout[p.name]
+        view = param_buffer[slot.offset:slot.end].reshape(slot.shape)
+        view[...] = p.data
+        p.data = view
+
+
+def _link_grads(params: Sequence[Param], layout: FlatLayout, grad_buffer: Any,
+                use_main_grad: bool) -> None:
+    """Make each grad (or main_grad) a view of its slot, keeping any value it already had."""
+    for p in params:
+        slot = layout[p.name]
+        view = grad_buffer[slot.offset:slot.end].reshape(slot.shape)
+        old = _grad_of(p, use_main_grad)
+        if old is not None and old.size == view.size:
+            view[...] = old.reshape(slot.shape)
+        _set_grad(p, use_main_grad, view)
+
+
+def flatten_dense_tensors(
+    parameters: Sequence[Param],
+    use_main_grad: bool = False,
+    fuse_param: bool = True,
+    warp_buffer: bool = False,
+    release_grad: bool = False,
+):
+    """Fuse params (optional) and grads into 256-byte-aligned flat buffers.
+
+    Returns ``(param_buffer, grad_buffer)`` with ``fuse_param``, else ``(grad_buffer,)``;
+    with ``release_grad`` it only plans: ``(None, total_numel, param2offset)``.
+    ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
+    """
+    rank = _world_rank()
+    _check_trainable(parameters, rank)
+    layout = _plan(plan_flat, parameters, rank=rank)
+    if release_grad:
+        return None, layout.numel, layout.param2offset
+    like = parameters[0].data
+    outputs = ()
+    if fuse_param:
+        param_buffer = backend.zeros(layout.numel, layout.dtype, like)
+        _share_params(parameters, layout, param_buffer)
+        outputs = (param_buffer,)
+    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
+    grad_buffer = backend.zeros(layout.numel, grad_dtype, like)
+    _link_grads(parameters, layout, grad_buffer, use_main_grad)
+    return outputs + (grad_buffer,)
+
+
+class ShardingGradView:
+    """One param's place in a reduce-scatter buffer, and its slice on this rank."""
+
+    def __init__(self, param: Param, layout: FlatLayout, rank: int, param_buffer: Any,
+                 grad_buffer: Any, use_main_grad: bool = False, release_grad: bool = False) -> None:
+        self.param = param
+        self.slot = layout[param.name]
+        self._use_main_grad = use_main_grad
+        self.rank_begin, _ = layout.shard_range(rank)
+        piece = layout.slice_of(param.name, rank)
+        self.param_begin, self.param_end = piece if piece else (0, 0)
+        self._param_buffer = param_buffer
+        self.grad_buffer = None
+        self.slice_grad = None
+        if not release_grad:
+            self.attach_grad_buffer(grad_buffer, link_param=True)
+        self.share_param_buffer(param_buffer, copy=True)
+
+    @property
+    def has_effective_slice_param(self) -> bool:
+        return self.param_begin < self.param_end
+
+    def attach_grad_buffer(self, grad_buffer: Any, link_param: bool) -> Any:
+        """Point this view at a (full) grad buffer; returns the param's full grad view."""
+        self.grad_buffer = grad_buffer
+        self.slice_grad = (grad_buffer[self.param_begin:self.param_end]
+                           if self.has_effective_slice_param else None)
+        view = grad_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
+        if link_param:
+            old = _grad_of(self.param, self._use_main_grad)
+            if old is not None and old.size == view.size:
+                view[...] = old.reshape(view.shape)
+            _set_grad(self.param, self._use_main_grad, view)
+        return view
+
+    def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
+        self._param_buffer = param_buffer
+        view = param_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
+        if copy:
+            view[...] = self.param.data
+        self.param.data = view
+
+    def fill_slice_param(self, slice_param: Param) -> None:
+        """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""
+        size = self.param_end - self.param_begin
+        if slice_param.data is not None and slice_param.numel not in (0, size):
+            raise LayoutError(f"slice param '{slice_param.name}' of '{self.param.name}': "
+                              f"expected {size} elements, got {slice_param.numel}")
+        slice_param.data = self._param_buffer[self.param_begin:self.param_end]
+
+    def assign_slice_grad(self, slice_param: Param) -> None:
+        if self.slice_grad is None:
+            return
+        self.fill_slice_param(slice_param)
+        _set_grad(slice_param, self._use_main_grad, self.slice_grad)
+
+    def reset_grad_buffer(self, shard_buffer: Any) -> None:
+        """After ``free_grads_in_comm``: the slice now lives in the shard-sized buffer."""
+        self.grad_buffer = shard_buffer
+        self.slice_grad = (shard_buffer[self.param_begin - self.rank_begin:
+                                        self.param_end - self.rank_begin]
+                           if self.has_effective_slice_param else None)
+
+    def clear_grad_buffer(self) -> None:
+        self.grad_buffer = None
+        self.slice_grad = None
+
+
+def build_reduce_scatter_buffer(
+    parameters: Sequence[Param],
+    sharding_degree: int,
+    rank: int,
+    use_main_grad: bool = False,
+    release_grad: bool = False,
+    init_slice_param: bool = False,
+    slice_params: Optional[dict] = None,
+):
+    """Fuse params and grads into a buffer padded to split evenly over ``sharding_degree``.
+
+    Returns ``(views, total_numel, param_buffer, grad_buffer, param_buffer_ipc_meta)``, where
+    ``views`` maps each param name to its ``ShardingGradView``.
+    """
+    _check_trainable(parameters, rank)
+    layout = _plan(plan_sharded, parameters, sharding_degree, rank=rank)
+    slice_params = {} if slice_params is None else slice_params
+    if init_slice_param:
+        for p in parameters:
+            if layout.slice_of(p.name, rank) and p.name not in slice_params:
+                raise LayoutError(f"rank {rank}: slice_params: expected an entry for param "
+                                  f"'{p.name}' (it has a slice on this rank)")
+    like = parameters[0].data
+    param_buffer = backend.zeros(layout.numel, layout.dtype, like)
+    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
+    grad_buffer = None if release_grad else backend.zeros(layout.numel, grad_dtype, like)
+    views = {}
+    for p in parameters:
+        view = ShardingGradView(p, layout, rank, param_buffer, grad_buffer,
+                                use_main_grad=use_main_grad, release_grad=release_grad)
+        if init_slice_param and view.has_effective_slice_param:
+            view.fill_slice_param(slice_params[p.name])
+        views[p.name] = view
+    return views, layout.numel, param_buffer, grad_buffer, backend.ipc_handle(param_buffer)
+
+
+class FusedCommBuffer:
+    """A group of same-dtype params whose grads are reduced together (Paddle's FusedCommBuffer).
+
+    ``comm_group`` is an mpi4py communicator; the buffer talks on a private duplicate of it.
+    ``timeout`` (seconds, default ``$MPIFUSION_TIMEOUT``, unset = forever) bounds every wait.
+    """
+
+    class Status(enum.Enum):
+        SHARDED = enum.auto()   # only this rank's shard of the params is valid
+        SYNCING = enum.auto()   # sync_params is in flight
+        READY = enum.auto()     # full params valid
+
+    def __init__(
+        self,
+        id: int,
+        params: Sequence[Param],
+        comm_group: Optional[MPI.Comm],
+        acc_steps: int = 1,
+        act: Any = None,
+        dst: int = -1,
+        use_main_grad: Optional[bool] = None,
+        fuse_param: bool = False,
+        scale_after_comm: bool = True,
+        release_grads: bool = False,
+        use_reduce_avg: bool = False,
+        free_grads_in_comm: bool = False,
+        init_slice_param: bool = False,
+        slice_params: Optional[dict] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        self._id = id
+        self._params = list(params)
+        comm = None if comm_group is None else Communicator(comm_group)
+        rank = comm.rank if comm is not None else _world_rank()
+        self._rank = rank
+        where = f"rank {rank}: buffer {id}"
+        if not self._params:
+            raise LayoutError(f"{where}: params: expected at least one Param, got none")
+        for p in self._params:
+            if not isinstance(p, Param):
+                raise LayoutError(f"{where}: params: expected mpifusion.Param objects, "
+                                  f"got {type(p).__name__}")
+        if isinstance(acc_steps, bool) or int(acc_steps) != acc_steps or acc_steps < 1:
+            raise LayoutError(f"{where}: acc_steps: expected an int >= 1, got {acc_steps!r}")
+        act = HookAction.parse(act)
+        if free_grads_in_comm:
+            if acc_steps != 1:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected acc_steps == 1, "
+                                  f"got acc_steps={acc_steps}")
+            if act != HookAction.REDUCE_SCATTER:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected act=REDUCE_SCATTER, "
+                                  f"got {act.name}")
+            if not release_grads:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected release_grads=True")
+        if fuse_param and release_grads:
+            raise LayoutError(f"{where}: fuse_param and release_grads: expected at most one "
+                              f"of them to be True")
+        if fuse_param and act == HookAction.REDUCE_SCATTER:
+            raise LayoutError(f"{where}: fuse_param: not supported with REDUCE_SCATTER "
+                              f"(its params are always fused)")
+        nranks = comm.size if comm is not None else 1
+        if act == HookAction.REDUCE:
+            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < nranks:
+                raise LayoutError(f"{where}: dst: REDUCE expected the root's rank in "
+                                  f"[0, {nranks}) of comm_group, got {dst!r}")
+        elif dst != -1:
+            raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {dst!r}")
+        if act == HookAction.REDUCE_SCATTER and comm is None:
+            raise LayoutError(f"{where}: comm_group: REDUCE_SCATTER needs a communicator "
+                              f"to plan its shards, got None")
+
+        self._comm = comm
+        self._act = act
+        self._dst = dst
+        self._acc_steps = int(acc_steps)
+        self._scale_after_comm = bool(scale_after_comm)
+        self._fuse_param = bool(fuse_param)
+        self._release_grads = bool(release_grads)
+        self._use_reduce_avg = bool(use_reduce_avg)
+        self._free_grads_in_comm = bool(free_grads_in_comm)
+        self.timeout = default_timeout() if timeout is None else (timeout or None)
+        self.use_main_grad = (self._params[0].main_grad is not None
+                              if use_main_grad is None else bool(use_main_grad))
+        self.status = FusedCommBuffer.Status.READY
+        self.sync_param_task: Optional[CommTask] = None
+        self._task: Optional[CommTask] = None
+        self._logged_stop_gradient = False
+        self._step = 0
+
+        self.param_storage = None
+        self.grad_storage = None
+        self._sharding_param_grad_view: dict = {}
+        if act == HookAction.REDUCE_SCATTER:
+            (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
+             self.grad_storage, _) = build_reduce_scatter_buffer(
+                self._params, nranks, rank, use_main_grad=self.use_main_grad,
+                release_grad=self._release_grads, init_slice_param=init_slice_param,
+                slice_params=slice_params)
+            self.layout = plan_sharded(self._params, nranks)
+            self._params[0].comm_buffer_ref = weakref.ref(self)
+        else:
+            _check_trainable(self._params, rank)
+            self.layout = _plan(plan_flat, self._params, rank=rank)
+            self.buffer_size = self.layout.numel
+            if self._fuse_param:
+                self.param_storage, self.grad_storage = flatten_dense_tensors(
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=True)
+            elif not self._release_grads:
+                (self.grad_storage,) = flatten_dense_tensors(
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=False)
+        self.param2offset = self.layout.param2offset
+        self._grad_dtype = float32 if self.use_main_grad else as_dtype(self.layout.dtype)
+        self._by_name = {p.name: p for p in self._params}
+        self._steps = dict.fromkeys(self._by_name, 0)
+        self._checked_in = 0
+        self._grad_addr = {p.name: backend.data_ptr(_grad_of(p, self.use_main_grad))
+                           for p in self._params}
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def params(self) -> list:
+        return self._params
+
+    @property
+    def act(self) -> HookAction:
+        return self._act
+
+    @property
+    def acc_steps(self) -> int:
+        return self._acc_steps
+
+    @property
+    def dst(self) -> int:
+        return self._dst
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def nranks(self) -> int:
+        return self._comm.size if self._comm is not None else 1
+
+    @property
+    def comm(self) -> Optional[Communicator]:
+        return self._comm
+
+    @property
+    def checked_in(self) -> int:
+        """Params that finished all ``acc_steps`` micro-steps this step."""
+        return self._checked_in
+
+    @property
+    def task(self) -> Optional[CommTask]:
+        return self._task
+
+    @property
+    def param_buffer_ipc_meta(self) -> Any:
+        """CUDA IPC handle of a reduce-scatter param buffer (None on the host)."""
+        if self._act != HookAction.REDUCE_SCATTER or self.param_storage is None:
+            return None
+        return backend.ipc_handle(self.param_storage)
+
+    def missing_params(self) -> list:
+        return [name for name, n in self._steps.items() if n < self._acc_steps]
+
+    def _where(self) -> str:
+        return f"rank {self._rank}: buffer {self._id}"
+
+    def __repr__(self) -> str:
+        return (f"FusedCommBuffer(id={self._id}, act={self._act.name}, params={len(self._params)}, "
+                f"dtype={self.layout.dtype}, grad_dtype={self._grad_dtype.name}, "
+                f"numel={self.buffer_size}, nranks={self.nranks})")
+
+    # ------------------------------------------------------------------ backward
+    def add_grad(self, param: Param, use_comm: bool = True, grad: Any = None) -> None:
+        """Check ``param`` in for one micro-step; at the last one of the last param, start comm.
+
+        ``grad`` (any DLPack tensor) is accumulated into the param's grad view first, as a
+        backward pass would; without it, whatever backward wrote into the view is used.
+        """
+        name = param.name
+        steps = self._steps.get(name)
+        if steps is None or self._by_name[name] is not param:
+            raise GradError(f"{self._where()}: param '{name}': not a param of this buffer "
+                            f"(it holds {len(self._params)} params: "
+                            f"{', '.join(list(self._by_name)[:5])}{', ...' if len(self._params) > 5 else ''})")
+        if steps >= self._acc_steps:
+            raise GradError(f"{self._where()}: param '{name}': already checked in "
+                            f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
+                            f"scale_grads() before its next add_grad")
+        if grad is not None:
+            grad = self._check_grad(param, grad)
+        fresh = self._release_grads and steps == 0
+        if not fresh:
+            addr = backend.data_ptr(_grad_of(param, self.use_main_grad))
+            if addr != self._grad_addr[name]:
+                raise GradError(
+                    f"{self._where()}: param '{name}': the address of its "
+                    f"{'main_grad' if self.use_main_grad else 'grad'} changed since it was fused "
+                    f"(expected the view into the grad buffer). Accumulate in place "
+                    f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+            if grad is not None:
+                view = _grad_of(param, self.use_main_grad)
+                view += grad
+        else:
+            self._copy_grad_to_buffer(param, grad)
+        steps += 1
+        self._steps[name] = steps
+        if steps == self._acc_steps:
+            self._checked_in += 1
+            if use_comm and self._checked_in == len(self._params):
+                self.comm_grads()
+
+    def _check_grad(self, param: Param, grad: Any) -> Any:
+        g = backend.asarray(grad)
+        if tuple(g.shape) != param.shape:
+            raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
+                            f"{param.shape}, got {tuple(g.shape)}")
+        if g.dtype != self._grad_dtype and g.dtype != as_dtype(param.dtype):
+            raise GradError(f"{self._where()}: param '{param.name}': grad dtype expected "
+                            f"{self._grad_dtype.name}, got {g.dtype}")
+        if backend.is_cupy(g) != backend.is_cupy(param.data):
+            raise GradError(f"{self._where()}: param '{param.name}': grad device expected "
+                            f"{'cuda' if backend.is_cupy(param.data) else 'cpu'}, got "
+                            f"{'cuda' if backend.is_cupy(g) else 'cpu'}")
+        return g
+
+    def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
+        """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
+        if self.grad_storage is None:
+            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, param.data)
+        link = not self._free_grads_in_comm
+        if self._act == HookAction.REDUCE_SCATTER:
+            view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
+                self.grad_storage, link_param=False)
+        else:
+            slot = self.layout[param.name]
+            view = self.grad_storage[slot.offset:slot.end].reshape(slot.shape)
+        own = _grad_of(param, self.use_main_grad)
+        if own is not None and own is not view:
+            view += own.reshape(view.shape)
+        if grad is not None:
+            view += grad
+        _set_grad(param, self.use_main_grad, view if link else None)
+        self._grad_addr[param.name] = backend.data_ptr(view if link else None)
+
+    # ------------------------------------------------------------------ communication
+    def need_reduce_scale_sync(self) -> bool:
+        """False when every param has stop_gradient: then comm, scaling and sync are skipped."""
+        flags = [p.stop_gradient for p in self._params]
+        if all(flags):
+            return False
+        if any(flags) and not self._logged_stop_gradient:
+            logger.info("%s: some params have stop_gradient=True; their grads are still "
+                        "communicated", self._where())
+            self._logged_stop_gradient = True
+        return True
+
+    def comm_grads(self) -> None:
+        """Start reducing the grad buffer; every param must have checked in."""
+        if self._checked_in != len(self._params):
+            missing = self.missing_params()
+            raise CheckInError(
+                f"{self._where()}: {self._checked_in}/{len(self._params)} params checked in: "
+                f"missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+        self._comm_grads()
+
+    def _comm_grads(self) -> None:
+        if not self.need_reduce_scale_sync():
+            return
+        if self._task is not None:
+            raise CommError(f"{self._where()}: comm_grads: communication already started this "
+                            f"step; expected scale_grads() first")
+        if self._comm is None:
+            raise CommError(f"{self._where()}: comm_grads: the buffer was built without a "
+                            f"comm_group, so it cannot communicate")
+        if naninf_check_enabled():
+            self._check_naninf()
+        n = self._comm.size
+        if not self._scale_after_comm and not self._use_reduce_avg:
+            backend.scale_(self.grad_storage, 1.0 / n)
+        avg = 1.0 / n if self._use_reduce_avg else None
+        name = f"buffer {self._id} {self._act.name.lower()}"
+        if self._act == HookAction.ALL_REDUCE:
+            self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name)
+        elif self._act == HookAction.REDUCE:
+            self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name)
+        else:
+            begin, end = self.layout.shard_range(self._comm.rank)
+            if self._free_grads_in_comm:
+                shard = backend.empty(end - begin, self.grad_storage.dtype, self.grad_storage)
+            else:
+                shard = self.grad_storage[begin:end]
+            self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name)
+            if self._free_grads_in_comm:
+                self.reset_grad_storage(shard)
+
+    def _check_naninf(self) -> None:
+        bad = backend.nonfinite_count(self.grad_storage)
+        if not bad:
+            return
+        counts = []
+        for p in self._params:
+            g = _grad_of(p, self.use_main_grad)
+            if g is not None:
+                c = backend.nonfinite_count(g)
+                if c:
+                    counts.append(f"{p.name} ({c} of {g.size})")
+        raise NanInfError(f"{self._where()}: step {self._step}: grad buffer holds {bad} NaN/Inf "
+                          f"value(s) before communication: {', '.join(counts) or 'in padding'}")
+
+    def scale_grads(self) -> None:
+        """Finish this step's communication, scale by 1/nranks if asked, reset the counters."""
+        if self.need_reduce_scale_sync():
+            if self._task is None:
+                if self.nranks == 1 and self._checked_in == len(self._params):
+                    self._reset_params_checked_in()
+                    return
+                if self._checked_in != len(self._params):
+                    self.comm_grads()  # raises, naming the missing params
+                raise CheckInError(f"{self._where()}: scale_grads: all params checked in but "
+                                   f"communication was not started (add_grad with "
+                                   f"use_comm=False needs an explicit comm_grads())")
+            self.wait()
+            if self._scale_after_comm and not self._use_reduce_avg:
+                backend.scale_(self.grad_storage, 1.0 / self._comm.size)
+        self._reset_params_checked_in()
+
+    def wait(self) -> None:
+        """Wait for this step's grad communication (within the buffer's timeout)."""
+        if self._task is not None:
+            self._task.wait(self.timeout)
+
+    def _reset_params_checked_in(self) -> None:
+        self._task = None
+        for name in self._steps:
+            self._steps[name] = 0
+        self._checked_in = 0
+        self._step += 1
+
+    # ------------------------------------------------------------------ reduce-scatter params
+    def _require_sharded(self, what: str) -> None:
+        if self._act != HookAction.REDUCE_SCATTER:
+            raise LayoutError(f"{self._where()}: {what}: expected a REDUCE_SCATTER buffer, "
+                              f"got {self._act.name}")
+
+    def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
+        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
+        self._require_sharded("assign_slice_grad")
+        view = self._sharding_param_grad_view.get(param.name)
+        if view is None:
+            raise GradError(f"{self._where()}: param '{param.name}': not a param of this buffer")
+        view.assign_slice_grad(slice_param)
+
+    def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
+        """All-gather every rank's shard of the param buffer back into the full buffer."""
+        if not self.need_reduce_scale_sync():
+            return None
+        self._require_sharded("sync_params")
+        if self.param_storage is None:
+            raise CommError(f"{self._where()}: sync_params: the param buffer was cleared; "
+                            f"expected reset_param_storage() first")
+        if param2task is not None:
+            taken = [p.name for p in self._params if p.name in param2task]
+            if taken:
+                raise CommError(f"{self._where()}: param2task: params already have a sync "
+                                f"task: {', '.join(taken)}")
+        if self.nranks == 1:
+            return None
+        task = self._comm.allgather_inplace(self.param_storage,
+                                            name=f"buffer {self._id} sync_params")
+        if sync:
+            task.wait(self.timeout)
+            self.status = FusedCommBuffer.Status.READY
+            return None
+        self.status = FusedCommBuffer.Status.SYNCING
+        task.add_done_callback(self._mark_ready)
+        self.sync_param_task = task
+        if param2task is not None:
+            for p in self._params:
+                param2task[p.name] = self.sync_param_task
+        return self.sync_param_task
+
+    def _mark_ready(self) -> None:
+        self.status = FusedCommBuffer.Status.READY
+
+    # ------------------------------------------------------------------ storage lifetime
+    def clear_param_storage(self) -> None:
+        """Release the param buffer (reduce-scatter): params have no data until reset."""
+        self._require_sharded("clear_param_storage")
+        self.param_storage = None
+        for p in self._params:
+            p.data = None
+        self.status = FusedCommBuffer.Status.SHARDED
+
+    def reset_param_storage(self) -> None:
+        """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
+        self._require_sharded("reset_param_storage")
+        like = self.grad_storage if self.grad_storage is not None else None
+        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, like)
+        for p in self._params:
+            self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
+                                                                      copy=False)
+        self.status = FusedCommBuffer.Status.SHARDED
+
+    def clear_grad_storage(self) -> None:
+        """Release the grad buffer (after the optimizer used it, with release_grads)."""
+        if self._task is not None and not self._task.is_completed():
+            raise CommError(f"{self._where()}: clear_grad_storage: communication still in "
+                            f"flight; expected scale_grads() first")
+        self.grad_storage = None
+        for p in self._params:
+            g = _grad_of(p, self.use_main_grad)
+            if g is not None and backend.data_ptr(g) == self._grad_addr.get(p.name):
+                _set_grad(p, self.use_main_grad, None)
+            self._grad_addr[p.name] = 0
+        for view in self._sharding_param_grad_view.values():
+            view.clear_grad_buffer()
+
+    def reset_grad_storage(self, shard_buffer: Any) -> None:
+        """Make a shard-sized buffer this buffer's grads (``free_grads_in_comm``)."""
+        self.grad_storage = shard_buffer
+        for view in self._sharding_param_grad_view.values():
+            view.reset_grad_buffer(shard_buffer)
+
+    # Paddle's private names, for code ported from tensor_fusion_helper
+    _clear_param_storage = clear_param_storage
+    _reset_param_storage = reset_param_storage
+    _clear_grad_storage = clear_grad_storage
+    _reset_grad_storage = reset_grad_storage

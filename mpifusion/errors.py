@@ -1,0 +1,31 @@
+"""Exceptions users can catch; every message names the rank and the param or option at fault."""
+from __future__ import annotations
+
+
+class FusionError(RuntimeError):
+    """Base class of mpifusion's own errors."""
+
+
+class LayoutError(FusionError, ValueError):
+    """Params that cannot be fused as asked (mixed dtypes, duplicate names, bad options)."""
+
+
+class GradError(FusionError, ValueError):
+    """A gradient handed to ``add_grad`` that cannot be accumulated (unknown param, wrong
+    shape/dtype, replaced view, too many micro-steps)."""
+
+
+class CheckInError(FusionError):
+    """Communication asked for while some params have not checked in yet."""
+
+
+class NanInfError(FusionError, FloatingPointError):
+    """NaN or Inf found in a grad buffer before communication."""
+
+
+class CommError(FusionError):
+    """A collective could not be started or finished."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective did not finish within the buffer's deadline."""

@@ -1,0 +1,280 @@
+"""JSON spec files for ``mpifusion layout --spec`` and ``mpifusion check --spec``.
+
+A spec describes the parameters to fuse and how their gradients are
+communicated.  Validation happens in the dataclasses themselves, so specs
+built in Python or changed with ``dataclasses.replace`` are checked exactly
+like ones read from disk, and every problem is a one-line ``SpecError``
+naming the file and the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "ACTS",
+    "DEFAULT_GROUP_SIZE",
+    "DTYPE_ALIASES",
+    "ITEMSIZE",
+    "ParamSpec",
+    "Spec",
+    "SpecError",
+    "load_spec",
+    "normalize_dtype",
+]
+
+ACTS: tuple[str, ...] = ("all_reduce", "reduce", "reduce_scatter")
+DEFAULT_GROUP_SIZE = 256 * 1024 * 1024
+
+DTYPE_ALIASES: dict[str, str] = {
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float64": "float64", "fp64": "float64", "double": "float64",
+}
+ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+_Path = tuple[Any, ...]
+
+
+class SpecError(ValueError):
+    """Invalid spec; ``source``, ``path`` and ``reason`` are kept for tools, ``str()`` is one line."""
+
+    def __init__(self, reason: str, path: _Path = (), source: str | None = None) -> None:
+        self.reason, self.path, self.source = " ".join(str(reason).splitlines()), tuple(path), source
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in self.path).lstrip(".")
+        super().__init__(": ".join(x for x in (source, loc, self.reason) if x))
+
+    def within(self, *prefix: Any, source: str | None = None) -> SpecError:
+        """Re-anchor an error raised by an inner object at its place in the file."""
+        return SpecError(self.reason, (*prefix, *self.path), source if source is not None else self.source)
+
+
+def _show(value: Any) -> str:
+    """Render an offending value the way it looks in the JSON file, bounded in length."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        try:
+            text = repr(value)
+        except Exception:  # a hostile __repr__ must not mask the real error
+            text = f"<{type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_bool(v: Any, field: str) -> bool:
+    # JSON 0/1 for a flag is usually a typo for an int field, so be strict.
+    if not isinstance(v, bool):
+        raise SpecError(f"expected true or false, got {_show(v)}", (field,))
+    return v
+
+
+def _check_int(v: Any, field: str, minimum: int) -> int:
+    if not _is_int(v) or v < minimum:
+        raise SpecError(f"expected an int >= {minimum}, got {_show(v)}", (field,))
+    return int(v)
+
+
+def normalize_dtype(dtype: Any, field: str = "dtype") -> str:
+    """Map dtype aliases (fp16, bf16, double, ...) to one numpy-style name."""
+    canon = DTYPE_ALIASES.get(dtype.lower()) if isinstance(dtype, str) else None
+    if canon is None:
+        names = ", ".join(sorted(set(DTYPE_ALIASES.values())))
+        raise SpecError(f"unknown dtype {_show(dtype)}; expected one of {names} (or an alias such as fp16, bf16)",
+                        (field,))
+    return canon
+
+
+def _check_keys(d: Mapping, allowed: tuple[str, ...], required: tuple[str, ...], path: _Path) -> None:
+    for key in d:
+        if key not in allowed:
+            hint = difflib.get_close_matches(key, allowed, n=1) if isinstance(key, str) else []
+            extra = f" (did you mean {_show(hint[0])}?)" if hint else f" (allowed: {', '.join(allowed)})"
+            raise SpecError(f"unknown key {_show(key)}{extra}", path)
+    for key in required:
+        if key not in d:
+            raise SpecError(f"missing required key {_show(key)}", path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter; the flags mirror the Paddle attributes that decide fusion membership."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    trainable: bool = True
+    stop_gradient: bool = False
+    is_distributed: bool = False
+    need_clip: bool = True
+    decay: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"expected a non-empty string, got {_show(self.name)}", ("name",))
+        shape = self.shape
+        if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise SpecError(f"expected a list of non-negative ints, got {_show(shape)}", ("shape",))
+        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for flag in ("trainable", "stop_gradient", "is_distributed", "need_clip", "decay"):
+            _check_bool(getattr(self, flag), flag)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ParamSpec:
+        """Build from a JSON object; errors carry a path relative to this entry."""
+        if not isinstance(d, Mapping):
+            raise SpecError(f"expected an object, got {_show(d)}")
+        _check_keys(d, _PARAM_FIELDS, ("name", "shape", "dtype"), ())
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: (list(self.shape) if f == "shape" else getattr(self, f)) for f in _PARAM_FIELDS}
+
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(ParamSpec))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A full fusion scenario: parameters plus communication settings."""
+
+    params: tuple[ParamSpec, ...]
+    act: str = "all_reduce"
+    nranks: int | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+    use_main_grad: bool = False
+    acc_steps: int = 1
+    dst: int = -1
+    average: bool = False
+
+    def __post_init__(self) -> None:
+        params = self.params
+        if not isinstance(params, (list, tuple)):
+            raise SpecError(f"expected a list, got {_show(params)}", ("params",))
+        if not params:
+            raise SpecError("must contain at least one parameter", ("params",))
+        seen: dict[str, int] = {}
+        for i, p in enumerate(params):
+            if not isinstance(p, ParamSpec):
+                raise SpecError(f"expected a ParamSpec, got {_show(p)}", ("params", i))
+            if p.name in seen:
+                raise SpecError(f"duplicate name {_show(p.name)} (first used by params[{seen[p.name]}])",
+                                ("params", i, "name"))
+            seen[p.name] = i
+        object.__setattr__(self, "params", tuple(params))
+        if self.act not in ACTS:
+            raise SpecError(f"expected one of {', '.join(map(_show, ACTS))}, got {_show(self.act)}", ("act",))
+        if self.nranks is not None:
+            object.__setattr__(self, "nranks", _check_int(self.nranks, "nranks", 1))
+        object.__setattr__(self, "group_size", _check_int(self.group_size, "group_size", 0))
+        _check_bool(self.use_main_grad, "use_main_grad")
+        object.__setattr__(self, "acc_steps", _check_int(self.acc_steps, "acc_steps", 1))
+        _check_bool(self.average, "average")
+        self._check_dst()
+
+    def _check_dst(self) -> None:
+        dst = self.dst
+        if not _is_int(dst):
+            raise SpecError(f"expected an int, got {_show(dst)}", ("dst",))
+        object.__setattr__(self, "dst", int(dst))
+        upper = f"nranks={self.nranks}" if self.nranks is not None else "nranks"
+        if self.act == "reduce":
+            if dst < 0 or (self.nranks is not None and dst >= self.nranks):
+                raise SpecError(f"act \"reduce\" needs a destination rank in [0, {upper}), got {_show(dst)}",
+                                ("dst",))
+        elif dst != -1 and (dst < 0 or (self.nranks is not None and dst >= self.nranks)):
+            raise SpecError(f"expected -1 or a rank in [0, {upper}), got {_show(dst)}", ("dst",))
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<spec>") -> Spec:
+        """Build from parsed JSON; every error is prefixed with ``source`` and the field path."""
+        try:
+            if not isinstance(d, Mapping):
+                raise SpecError(f"expected a JSON object at the top level, got {_show(d)}")
+            _check_keys(d, _SPEC_FIELDS, ("params",), ())
+            raw = d["params"]
+            if not isinstance(raw, list):
+                raise SpecError(f"expected a list of parameter objects, got {_show(raw)}", ("params",))
+            params = []
+            for i, item in enumerate(raw):
+                try:
+                    params.append(ParamSpec.from_dict(item))
+                except SpecError as e:
+                    raise e.within("params", i) from None
+            return cls(**{**d, "params": tuple(params)})
+        except SpecError as e:
+            raise e.within(source=source) from None
+
+    @classmethod
+    def from_preset(cls, name: str, *, dtype: str | None = None, **overrides: Any) -> Spec:
+        """Spec for a built-in preset; half-precision presets default to fp32 main grads."""
+        from .presets import get_preset  # local: presets must stay importable on its own
+
+        params = get_preset(name, dtype)
+        defaults = {"use_main_grad": params[0]["dtype"] != "float32"}
+        return cls.from_dict({"params": params, **defaults, **overrides}, source=f"preset {name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict with every field explicit, so a dumped spec reloads identically."""
+        out: dict[str, Any] = {"params": [p.to_dict() for p in self.params]}
+        out.update({f: getattr(self, f) for f in _SPEC_FIELDS if f != "params"})
+        return out
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SpecError(f"duplicate key {_show(key)} in a JSON object")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise SpecError(f"not valid JSON: {name} is not allowed")
+
+
+def load_spec(path: str | os.PathLike[str]) -> Spec:
+    """Read and validate a spec file; I/O and JSON errors become ``SpecError`` too, for one CLI error path."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read: {getattr(e, 'strerror', None) or e}", source=source) from None
+    try:
+        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
+    except SpecError as e:
+        raise e.within(source=source) from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"not valid JSON: {e}", source=source) from None
+    except RecursionError:
+        raise SpecError("not valid JSON: nested too deeply", source=source) from None
+    return Spec.from_dict(data, source=source)
