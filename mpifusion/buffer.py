@@ -479,6 +479,8 @@ class FusedCommBuffer:
             self._copy_grad_to_buffer(param, grad)
         steps += 1
         self._steps[name] = steps
+        if self._comm is not None:
+            self._comm.poll()
         if steps == self._acc_steps:
             self._checked_in += 1
             if use_comm and self._checked_in == len(self._params):

@@ -174,6 +174,10 @@ class Communicator:
         req = self.comm.Iallgather(MPI.IN_PLACE, [raw, MPI.BYTE])
         return CommTask([req], keep=(buf, raw), name=name)
 
+    def poll(self) -> None:
+        """Called on every add_grad: a hook for driving MPI progress while grads arrive.
+        Nothing to do for the plain non-blocking path."""
+
     def barrier(self) -> None:
         self.comm.Barrier()
 
