@@ -23,6 +23,7 @@ def _under_mpi(config) -> bool:
     return bool(config.getoption("with_mpi", False) or config.getoption("only_mpi", False))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     # Under mpiexec only rank 0 reports; other ranks print nothing unless a test fails.
     if _under_mpi(config) and _world().Get_rank() != 0:

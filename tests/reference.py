@@ -1,0 +1,52 @@
+"""Independent references for the tests: what every rank contributes, summed in float64.
+
+Every rank's gradient is a pure function of (rank, step, micro-step, param), so any rank can
+rebuild every other rank's contribution and the exact sum without communicating.
+"""
+import numpy as np
+
+from mpifusion.dtypes import as_dtype
+
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24,
+                 "float64": 2.0 ** -53}
+
+
+def grad_for(rank, step, micro, index, shape, dtype, seed=1234):
+    """The gradient rank ``rank`` contributes, already rounded to ``dtype``."""
+    rng = np.random.default_rng([seed, rank, step, micro, index])
+    return rng.standard_normal(shape).astype(as_dtype(dtype))
+
+
+def local_sum(rank, step, acc_steps, index, shape, dtype):
+    return sum(grad_for(rank, step, k, index, shape, dtype).astype(np.float64)
+               for k in range(acc_steps))
+
+
+def reduced(nranks, step, acc_steps, index, shape, dtype):
+    """(exact float64 sum over ranks and micro-steps, sum of absolute values)."""
+    total = np.zeros(shape, np.float64)
+    mag = np.zeros(shape, np.float64)
+    for r in range(nranks):
+        for k in range(acc_steps):
+            g = grad_for(r, step, k, index, shape, dtype).astype(np.float64)
+            total += g
+            mag += np.abs(g)
+    return total, mag
+
+
+def bound(mag, nranks, acc_steps, dtype):
+    """Worst-case rounding error of summing nranks*acc_steps terms in ``dtype`` arithmetic,
+    plus scaling and a final rounding: (k + n + 2) * u * sum|x| (Higham's gamma_m, first order)."""
+    u = UNIT_ROUNDOFF[as_dtype(dtype).name]
+    return (acc_steps + nranks + 2) * u * mag + 1e-30
+
+
+def assert_close(actual, expected, tol, what):
+    actual = np.asarray(actual, dtype=np.float64)
+    err = np.abs(actual - expected)
+    bad = err > tol
+    if bad.any():
+        i = np.flatnonzero(bad.ravel())[0]
+        raise AssertionError(f"{what}: {int(bad.sum())} element(s) outside the bound; first at "
+                             f"flat index {i}: got {actual.ravel()[i]!r}, expected "
+                             f"{expected.ravel()[i]!r} +- {np.ravel(tol)[i] if np.ndim(tol) else tol!r}")
