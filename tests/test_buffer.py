@@ -1,0 +1,301 @@
+"""FusedCommBuffer in one process (COMM_SELF): layouts, options, bad input that changes nothing."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifusion import (HOOK_ACTION, FusedCommBuffer, HookAction, Param, assign_group_by_size,
+                       build_reduce_scatter_buffer, filter_params, flatten_dense_tensors,
+                       fused_parameters, get_group_size, obtain_storage)
+from mpifusion.dtypes import bfloat16
+from mpifusion.errors import CheckInError, GradError, LayoutError, NanInfError
+
+SELF = MPI.COMM_SELF
+
+
+def params(dtype=np.float32, shapes=((17, 257), (1,), (3, 5))):
+    return [Param(f"w{i}", np.arange(np.prod(s), dtype=np.float64).reshape(s).astype(dtype))
+            for i, s in enumerate(shapes)]
+
+
+def snapshot(buf, ps):
+    """Everything an error must leave untouched."""
+    grads = None if buf.grad_storage is None else buf.grad_storage.copy()
+    return (grads, buf.checked_in, dict(buf._steps), buf.task,
+            [None if p.grad is None else p.grad.copy() for p in ps])
+
+
+def assert_unchanged(before, buf, ps):
+    after = snapshot(buf, ps)
+    if before[0] is None:
+        assert after[0] is None
+    else:
+        np.testing.assert_array_equal(before[0], after[0])
+    assert before[1:4] == after[1:4]
+    for a, b in zip(before[4], after[4]):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def test_public_names_and_alias():
+    assert HOOK_ACTION is HookAction
+    assert HOOK_ACTION.ALL_REDUCE == 0 and HOOK_ACTION.REDUCE == 1 and HOOK_ACTION.REDUCE_SCATTER == 2
+    assert HookAction.parse("reduce-scatter") is HookAction.REDUCE_SCATTER
+
+
+def test_flatten_dense_tensors_views_and_offsets():
+    ps = params()
+    originals = [p.data.copy() for p in ps]
+    param_buf, grad_buf = flatten_dense_tensors(ps, use_main_grad=False, fuse_param=True)
+    assert param_buf.size == grad_buf.size == 4416 + 64 + 64
+    assert param_buf.ctypes.data % 256 == 0
+    for p, orig in zip(ps, originals):
+        np.testing.assert_array_equal(p.data, orig)
+        assert np.shares_memory(p.data, param_buf) and np.shares_memory(p.grad, grad_buf)
+    p = ps[1]
+    p.grad += 3.0
+    assert grad_buf[4416] == 3.0 and grad_buf[4417] == 0.0  # padding stays zero
+    none, total, offsets = flatten_dense_tensors(params(), release_grad=True)
+    assert none is None and total == 4544 and offsets == {"w0": 0, "w1": 4416, "w2": 4480}
+
+
+def test_main_grad_buffer_keeps_element_offsets():
+    ps = params(bfloat16)
+    (grad_buf,) = flatten_dense_tensors(ps, use_main_grad=True, fuse_param=False)
+    assert grad_buf.dtype == np.float32
+    # bf16 aligns to 128 elements: w0 4369 -> 4480, w1 -> 128, w2 -> 128
+    assert [p.main_grad.ctypes.data - grad_buf.ctypes.data for p in ps] == [0, 4480 * 4, 4608 * 4]
+
+
+def test_build_reduce_scatter_buffer_returns_paddles_tuple():
+    ps = params()
+    views, total, pbuf, gbuf, ipc = build_reduce_scatter_buffer(ps, 4, 2)
+    assert total == 4608 + 256 + 256 and pbuf.size == gbuf.size == total and ipc is None
+    assert views["w0"].param_begin == 2 * total // 4 and views["w1"].has_effective_slice_param is False
+
+
+def test_groups_and_group_size_estimate():
+    ps = params(shapes=((100,), (100,), (100,)))
+    groups = assign_group_by_size(ps, group_size=800)
+    assert [[p.name for p in g] for g in groups.values()] == [["w0", "w1"], ["w2"]]
+    assert get_group_size(ps, group_size=800) == pytest.approx(
+        [800 / 1024 ** 3 * 3, 400 / 1024 ** 3 * 3])
+
+
+# --------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(act=None), "act"),
+    (dict(act="broadcast"), "act"),
+    (dict(act=HookAction.REDUCE), "dst"),
+    (dict(act=HookAction.REDUCE, dst=1), r"dst.*\[0, 1\)"),
+    (dict(act=HookAction.ALL_REDUCE, dst=0), "dst"),
+    (dict(act=HookAction.REDUCE_SCATTER, dst=0), "dst"),
+    (dict(act=HookAction.ALL_REDUCE, fuse_param=True, release_grads=True), "fuse_param and release_grads"),
+    (dict(act=HookAction.REDUCE_SCATTER, fuse_param=True), "fuse_param"),
+    (dict(act=HookAction.REDUCE_SCATTER, free_grads_in_comm=True), "release_grads"),
+    (dict(act=HookAction.ALL_REDUCE, free_grads_in_comm=True, release_grads=True), "REDUCE_SCATTER"),
+    (dict(act=HookAction.REDUCE_SCATTER, free_grads_in_comm=True, release_grads=True, acc_steps=2),
+     "acc_steps"),
+    (dict(act=HookAction.ALL_REDUCE, acc_steps=0), "acc_steps"),
+])
+def test_invalid_options_are_refused_with_the_option_named(kwargs, match):
+    ps = params()
+    before = [p.data.copy() for p in ps]
+    with pytest.raises(LayoutError, match=match) as err:
+        FusedCommBuffer(0, ps, SELF, **kwargs)
+    assert "rank 0" in str(err.value)
+    for p, b in zip(ps, before):  # nothing was fused
+        assert p.grad is None and np.array_equal(p.data, b)
+
+
+def test_mixed_dtypes_and_untrainable_params_are_refused():
+    ps = params() + [Param("h", np.zeros(4, np.float16))]
+    with pytest.raises(LayoutError, match="'h'.*float16"):
+        FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
+    ps = params()
+    ps[2].trainable = False
+    with pytest.raises(LayoutError, match="'w2'.*trainable"):
+        FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
+
+
+def test_use_main_grad_none_follows_first_param():
+    ps = params(bfloat16)
+    ps[0].main_grad = np.ones(ps[0].shape, np.float32)
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
+    assert buf.use_main_grad and buf.grad_storage.dtype == np.float32
+    assert (ps[0].main_grad == 1).all()  # an existing main_grad is kept, now as a view
+    assert all(p.main_grad is not None for p in ps)
+
+
+# --------------------------------------------------------------------------- bad add_grad
+
+
+@pytest.fixture
+def buf_and_params():
+    ps = params()
+    return FusedCommBuffer(3, ps, SELF, act=HookAction.ALL_REDUCE, acc_steps=2), ps
+
+
+def test_unknown_param(buf_and_params):
+    buf, ps = buf_and_params
+    before = snapshot(buf, ps)
+    with pytest.raises(GradError, match=r"rank 0: buffer 3: param 'x': not a param"):
+        buf.add_grad(Param("x", np.zeros(3, np.float32)))
+    with pytest.raises(GradError, match="'w0': not a param"):  # same name, other object
+        buf.add_grad(Param("w0", np.zeros((17, 257), np.float32)))
+    assert_unchanged(before, buf, ps)
+
+
+@pytest.mark.parametrize("grad, match", [
+    (np.ones((257, 17), np.float32), r"shape expected \(17, 257\), got \(257, 17\)"),
+    (np.ones((17, 257), np.float16), "dtype expected float32, got float16"),
+    (np.ones(17 * 257, np.float32), "shape"),
+])
+def test_wrong_grad_changes_nothing(buf_and_params, grad, match):
+    buf, ps = buf_and_params
+    buf.add_grad(ps[0], grad=np.ones((17, 257), np.float32))
+    before = snapshot(buf, ps)
+    with pytest.raises(GradError, match=match):
+        buf.add_grad(ps[0], grad=grad)
+    assert_unchanged(before, buf, ps)
+
+
+def test_more_add_grad_than_acc_steps(buf_and_params):
+    buf, ps = buf_and_params
+    buf.add_grad(ps[1], grad=np.ones(1, np.float32))
+    buf.add_grad(ps[1], grad=np.ones(1, np.float32))
+    before = snapshot(buf, ps)
+    with pytest.raises(GradError, match="'w1': already checked in 2 time"):
+        buf.add_grad(ps[1], grad=np.ones(1, np.float32))
+    assert_unchanged(before, buf, ps)
+    assert ps[1].grad[0] == 2.0
+
+
+def test_replaced_grad_is_refused(buf_and_params):
+    buf, ps = buf_and_params
+    ps[2].grad = ps[2].grad + 1.0  # not in place: the view is lost
+    before = snapshot(buf, ps)
+    with pytest.raises(GradError, match="'w2': the address of its grad changed"):
+        buf.add_grad(ps[2])
+    assert_unchanged(before, buf, ps)
+
+
+def test_comm_before_all_checked_in_names_missing_params(buf_and_params):
+    buf, ps = buf_and_params
+    for p in ps[:2]:
+        buf.add_grad(p)
+        buf.add_grad(p)
+    buf.add_grad(ps[2])
+    before = snapshot(buf, ps)
+    with pytest.raises(CheckInError, match=r"rank 0: buffer 3: .*2/3 params checked in: missing w2"):
+        buf.comm_grads()
+    with pytest.raises(CheckInError, match="missing w2"):
+        buf.scale_grads()
+    assert_unchanged(before, buf, ps)
+    buf.add_grad(ps[2])  # the step can still finish
+    buf.scale_grads()
+
+
+def test_use_comm_false_then_explicit_comm(buf_and_params):
+    buf, ps = buf_and_params
+    for _ in range(2):
+        for p in ps:
+            buf.add_grad(p, use_comm=False, grad=np.full(p.shape, 2.0, np.float32))
+    assert buf.task is None
+    buf.comm_grads()
+    buf.scale_grads()
+    assert (ps[0].grad == 4.0).all()
+
+
+def test_naninf_check_names_param_and_changes_nothing(monkeypatch):
+    monkeypatch.setenv("MPIFUSION_CHECK_NANINF", "1")
+    ps = params()
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE, scale_after_comm=False)
+    bad = np.zeros((3, 5), np.float32)
+    bad[1, 2], bad[2, 2] = np.nan, np.inf
+    buf.add_grad(ps[0], grad=np.ones((17, 257), np.float32))
+    buf.add_grad(ps[1], grad=np.ones(1, np.float32))
+    with pytest.raises(NanInfError, match=r"rank 0: buffer 0: step 0: .*w2 \(2 of 15\)"):
+        buf.add_grad(ps[2], grad=bad)
+    assert (ps[0].grad == 1.0).all()  # not pre-scaled: the check runs before anything else
+
+
+def test_all_stop_gradient_skips_communication():
+    ps = params()
+    for p in ps:
+        p.stop_gradient = True
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE, scale_after_comm=False)
+    for p in ps:
+        buf.add_grad(p, grad=np.full(p.shape, 3.0, np.float32))
+    assert buf.task is None
+    buf.scale_grads()
+    assert (ps[0].grad == 3.0).all() and buf.checked_in == 0
+
+
+def test_release_grads_moves_own_grad_into_fresh_buffer():
+    ps = params()
+    ps[0].grad = np.full((17, 257), 5.0, np.float32)
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE, release_grads=True, acc_steps=2)
+    assert buf.grad_storage is None and buf.param_storage is None
+    buf.add_grad(ps[0])
+    assert np.shares_memory(ps[0].grad, buf.grad_storage) and (ps[0].grad == 5.0).all()
+    ps[0].grad += 1.0  # second micro-step accumulates in the view
+    buf.add_grad(ps[0])
+    for p in ps[1:]:
+        buf.add_grad(p, grad=np.ones(p.shape, np.float32))
+        buf.add_grad(p, grad=np.ones(p.shape, np.float32))
+    buf.scale_grads()
+    assert (ps[0].grad == 6.0).all() and (ps[1].grad == 2.0).all()
+    buf.clear_grad_storage()
+    assert buf.grad_storage is None and ps[0].grad is None
+
+
+def test_fuse_param_gives_one_flat_param_with_flat_grad():
+    ps = params()
+    storage, buffers = obtain_storage(ps, fuse_param=True, comm_overlap=True,
+                                      act=HookAction.ALL_REDUCE, comm_group=SELF, clip=False, dist=True)
+    assert len(storage) == 1 and len(buffers) == 1
+    fused = storage[0]
+    assert fused.need_clip is False and fused.is_distributed is True
+    assert np.shares_memory(fused.data, ps[0].data) and np.shares_memory(fused.grad, ps[2].grad)
+    for p in reversed(ps):
+        p.backward(np.ones(p.shape, np.float32))  # emulated backward hooks
+    buffers[0].scale_grads()
+    assert fused.grad[:4369].sum() == 4369
+
+
+def test_fused_parameters_split_order_and_decay():
+    ps = [Param("a.fp32", np.zeros(4, np.float32)),
+          Param("b.bf16", np.zeros(4, bfloat16)),
+          Param("c.fp32.dist", np.zeros(4, np.float32), is_distributed=True),
+          Param("d.fp32.noclip", np.zeros(4, np.float32), need_clip=False),
+          Param("e.fp32.bias", np.zeros(4, np.float32))]
+    decay_fn = lambda name: not name.endswith("bias")  # noqa: E731
+    decay, fused, buffers = fused_parameters(ps, act=HookAction.ALL_REDUCE, comm_overlap=True,
+                                             comm_group=SELF, apply_decay_param_fun=decay_fn)
+    members = [[p.name for p in b.params] for b in buffers]
+    # (fp32, dist, clip) in product([True, False]) order, decay before other in each split
+    assert members == [["c.fp32.dist"], ["a.fp32"], ["e.fp32.bias"], ["d.fp32.noclip"], ["b.bf16"]]
+    assert len(decay) == 4 and len(fused) == 5
+    assert [f.is_distributed for f in fused] == [True, False, False, False, False]
+    assert [f.need_clip for f in fused] == [True, True, True, False, True]
+
+
+def test_fused_parameters_group_params_and_defaults():
+    ps = params()
+    groups = [{"params": ps[:2], "lr": 0.1}, {"params": ps[2:]}]
+    ps[0].optimize_attr = {"learning_rate": 0.5}
+    updated, buffers = fused_parameters(groups, act="all_reduce", group_params=True,
+                                        comm_overlap=True, comm_group=SELF)
+    assert len(updated) == 2 and updated[0]["lr"] == 0.1 and len(buffers) == 2
+    assert updated[0]["params"][0].optimize_attr == {"learning_rate": 0.5}
+    with pytest.raises(LayoutError, match="dst"):
+        fused_parameters(params())  # default act is REDUCE, which needs dst
+    with pytest.raises(LayoutError, match="comm_group"):
+        fused_parameters(params(), act=HookAction.REDUCE_SCATTER, comm_overlap=True)
+
+
+def test_filter_params_refuses_two_half_dtypes():
+    ps = [Param("x", np.zeros(2, np.float16)), Param("y", np.zeros(2, bfloat16))]
+    with pytest.raises(LayoutError, match="'y'"):
+        filter_params(ps, is_fp32=False, is_distributed=False, need_clip=True)
