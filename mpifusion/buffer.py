@@ -1,16 +1,24 @@
 """Fused buffers: params and grads in flat arrays, reduced over MPI in one collective.
 
-State machine of a ``FusedCommBuffer`` (one training step):
+State machine of a ``FusedCommBuffer`` (README, "State machine", says the same):
 
-* every ``add_grad(param)`` counts a micro-step for that param; at ``acc_steps`` the param
-  is *checked in* (``checked_in`` of ``len(params)``);
-* when all are checked in (and ``use_comm``), ``comm_grads`` starts the collective and a
-  ``CommTask`` is held; ``scale_grads`` waits for it, scales, and resets the counters;
+* Check-in counters, per step: every ``add_grad(param)`` counts one micro-step for that
+  param; at ``acc_steps`` the param is *checked in* (``checked_in`` of ``len(params)``).
+  ``mark_unused(param)`` checks a param in at once with zero gradient for its remaining
+  micro-steps. A further ``add_grad`` of a checked-in param is a ``GradError``.
+* When all are checked in (and ``use_comm``), ``comm_grads`` starts the collective and holds
+  a ``CommTask``; ``comm_grads``/``scale_grads`` with params missing raise ``CheckInError``
+  naming them. ``scale_grads`` waits (within ``timeout``), scales, and resets the counters
+  (step + 1). On ``CommTimeoutError`` the task stays: ``wait()`` again keeps waiting.
+* ``reset()`` sets the counters back to zero and keeps the grads (``zero_grads=True`` zeroes
+  them); with a collective still pending it needs ``abandon=True`` (MPI cannot cancel one).
 * ``status`` tracks the *param* buffer of a reduce-scatter buffer: READY (full params
-  valid), SHARDED (only this rank's shard is valid), SYNCING (``sync_params`` in flight).
+  valid), SHARDED (only this rank's shard is valid, after ``clear``/``reset_param_storage``),
+  SYNCING (``sync_params`` in flight; READY again when its task completes).
 
 Every check that can fail runs before anything is changed, so an error leaves grads,
-counters and buffers as they were.
+counters and buffers as they were. Before anything is allocated, the ranks of comm_group
+check in one tiny collective that they build the same buffer (``health.check_agreement``).
 """
 from __future__ import annotations
 
@@ -25,8 +33,10 @@ from mpi4py import MPI
 from . import backend
 from .comm import CommTask, Communicator
 from .dtypes import as_dtype, float32
-from .errors import CheckInError, CommError, GradError, LayoutError, NanInfError
-from .layout import FlatLayout, plan_flat, plan_sharded
+from . import health
+from .errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
+                     NanInfError)
+from .layout import ALIGNMENT_BYTES, FlatLayout, plan_flat, plan_sharded
 from .param import Param
 
 logger = logging.getLogger("mpifusion")
@@ -310,7 +320,10 @@ class FusedCommBuffer:
                                   f"got {type(p).__name__}")
         if isinstance(acc_steps, bool) or int(acc_steps) != acc_steps or acc_steps < 1:
             raise LayoutError(f"{where}: acc_steps: expected an int >= 1, got {acc_steps!r}")
-        act = HookAction.parse(act)
+        try:
+            act = HookAction.parse(act)
+        except LayoutError as exc:
+            raise LayoutError(f"{where}: {exc}") from None
         if free_grads_in_comm:
             if acc_steps != 1:
                 raise LayoutError(f"{where}: free_grads_in_comm: expected acc_steps == 1, "
@@ -354,6 +367,18 @@ class FusedCommBuffer:
         self._task: Optional[CommTask] = None
         self._logged_stop_gradient = False
         self._step = 0
+        self._tracker: Optional[health.StartTracker] = None
+        self._key = -1      # this buffer's index on its communicator (construction order)
+        self._seq = 0       # collectives this buffer started (0 = the agreement check)
+        self._task_seq = 0
+        self._abandoned: list = []      # timed-out tasks given up by reset(abandon=True)
+        self._pre_comm_grads = None     # free_grads_in_comm: the full grads while in flight
+        if comm is not None and comm.size > 1:
+            self._tracker = health.tracker_for(comm.comm)
+            self._key = self._tracker.register()
+            if health.agreement_enabled():
+                health.check_agreement(comm.comm, self._agreement_entries(), self._where(),
+                                       self.timeout, self._announcer(), self._key)
 
         self.param_storage = None
         self.grad_storage = None
@@ -439,6 +464,61 @@ class FusedCommBuffer:
     def _where(self) -> str:
         return f"rank {self._rank}: buffer {self._id}"
 
+    # ------------------------------------------------------------------ health (see health.py)
+    def _agreement_entries(self) -> list:
+        """What every rank of comm_group must agree on before any collective of this buffer."""
+        options = {
+            "id": self._id, "act": self._act.name, "acc_steps": self._acc_steps,
+            "dst": self._dst, "alignment_bytes": ALIGNMENT_BYTES,
+            "use_main_grad": self.use_main_grad, "fuse_param": self._fuse_param,
+            "release_grads": self._release_grads, "scale_after_comm": self._scale_after_comm,
+            "use_reduce_avg": self._use_reduce_avg,
+            "free_grads_in_comm": self._free_grads_in_comm,
+            # start announcements are only sent with a deadline, so all ranks need one or none
+            "timeout set": self.timeout is not None,
+        }
+        return health.describe(self._params, options)
+
+    def _announcer(self) -> Optional[health.StartTracker]:
+        return self._tracker if self.timeout is not None else None
+
+    def _start_collective(self) -> int:
+        """Count (and, with a deadline, announce) a collective this rank is about to start."""
+        self._seq += 1
+        tracker = self._announcer()
+        if tracker is not None:
+            tracker.announce(self._key, self._seq)
+        return self._seq
+
+    def _late_ranks(self, seq: int) -> str:
+        tracker = self._announcer()
+        return tracker.late_ranks_text(self._key, seq) if tracker is not None else ""
+
+    def _checked_in_text(self) -> str:
+        missing = self.missing_params()
+        text = f"{self._checked_in}/{len(self._params)} params checked in"
+        if missing:
+            text += f": missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+        return text
+
+    def _wait_task(self, task: CommTask, what: str, seq: int) -> None:
+        """Wait for ``task`` within the deadline; on expiry say what, where and who is late.
+
+        The task stays in place on a timeout: calling the same method again keeps waiting.
+        """
+        try:
+            task.wait(self.timeout)
+        except CommTimeoutError:
+            raise CommTimeoutError(
+                f"{self._where()}: {what} (step {self._step}, action {self._act.name}) did not "
+                f"complete within {self.timeout:g} s; {self._checked_in_text()} on this rank"
+                f"{self._late_ranks(seq)}. The collective is still pending: call wait() to "
+                f"keep waiting, or let the error abort the job (run under python -m mpi4py)"
+                ) from None
+        except MPI.Exception as exc:
+            raise CommError(f"{self._where()}: {what} (step {self._step}, action "
+                            f"{self._act.name}) failed in MPI: {exc}") from None
+
     def __repr__(self) -> str:
         return (f"FusedCommBuffer(id={self._id}, act={self._act.name}, params={len(self._params)}, "
                 f"dtype={self.layout.dtype}, grad_dtype={self._grad_dtype.name}, "
@@ -486,18 +566,93 @@ class FusedCommBuffer:
             if use_comm and self._checked_in == len(self._params):
                 self.comm_grads()
 
+    def mark_unused(self, *params: Param, use_comm: bool = True) -> None:
+        """Check in params that get no gradient this step (Paddle PR 72688's unused params).
+
+        Each param's remaining micro-steps of this step count as zero gradient: a param with
+        no ``add_grad`` yet this step has its grad slot zeroed (it contributes exactly zero
+        to the reduction); one with some keeps what it accumulated. When this checks in the
+        last param, communication starts as in ``add_grad``. All params are validated first.
+        """
+        names = []
+        for param in params:
+            name = getattr(param, "name", None)
+            if self._steps.get(name) is None or self._by_name[name] is not param:
+                raise GradError(f"{self._where()}: mark_unused: {param!r} is not a param of "
+                                f"this buffer")
+            if self._steps[name] >= self._acc_steps or name in names:
+                raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
+                                f"checked in this step (acc_steps={self._acc_steps}); "
+                                f"expected scale_grads() first")
+            names.append(name)
+        if self.grad_storage is None and not self._release_grads:
+            raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
+                            f"(clear_grad_storage); expected release_grads=True for that")
+        for param in params:
+            if self._steps[param.name] == 0:
+                if self._release_grads:
+                    self._copy_grad_to_buffer(param, None)
+                slot = self.layout[param.name]
+                self.grad_storage[slot.offset:slot.end] = 0
+            self._steps[param.name] = self._acc_steps
+            self._checked_in += 1
+        if self._comm is not None:
+            self._comm.poll()
+        if use_comm and names and self._checked_in == len(self._params):
+            self.comm_grads()
+
+    def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
+        """Start the step afresh after an error: counters to zero, grads kept (or zeroed).
+
+        A collective still in flight (after ``CommTimeoutError``) is refused unless
+        ``abandon=True``: MPI cannot cancel a collective, so the abandoned one stays
+        pending -- its arrays are kept alive here, and if the late ranks ever join it,
+        MPI finishes it into the buffer. With ``free_grads_in_comm`` the full grad buffer
+        comes back. Collectives on a communicator with an abandoned one no longer line up
+        across ranks: after a timeout the safe course is to save what you need and abort.
+        """
+        task = self._task
+        pending = False
+        if task is not None:
+            try:
+                pending = not task.is_completed()
+            except MPI.Exception:
+                pending = True
+        if pending and not abandon:
+            raise CommError(f"{self._where()}: reset: grad communication is still in flight "
+                            f"({self._checked_in_text()}); expected wait() first, or "
+                            f"reset(abandon=True) to give it up")
+        if pending:
+            self._abandoned.append(task)
+            logger.warning("%s: abandoned a pending collective (step %d); further collectives "
+                           "on this communicator may not line up across ranks", self._where(),
+                           self._step)
+            if self._pre_comm_grads is not None:
+                self.grad_storage = self._pre_comm_grads
+                for view in self._sharding_param_grad_view.values():
+                    view.attach_grad_buffer(self.grad_storage, link_param=False)
+        self._pre_comm_grads = None
+        self._task = None
+        for name in self._steps:
+            self._steps[name] = 0
+        self._checked_in = 0
+        if zero_grads and self.grad_storage is not None:
+            self.grad_storage[...] = 0
+
     def _check_grad(self, param: Param, grad: Any) -> Any:
-        g = backend.asarray(grad)
+        try:
+            g = backend.asarray(grad)
+        except (TypeError, BufferError, RuntimeError) as exc:
+            raise GradError(f"{self._where()}: param '{param.name}': grad: {exc}") from None
         if tuple(g.shape) != param.shape:
             raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
                             f"{param.shape}, got {tuple(g.shape)}")
         if g.dtype != self._grad_dtype and g.dtype != as_dtype(param.dtype):
             raise GradError(f"{self._where()}: param '{param.name}': grad dtype expected "
                             f"{self._grad_dtype.name}, got {g.dtype}")
-        if backend.is_cupy(g) != backend.is_cupy(param.data):
+        if backend.device_of(g) != param.device:
             raise GradError(f"{self._where()}: param '{param.name}': grad device expected "
-                            f"{'cuda' if backend.is_cupy(param.data) else 'cpu'}, got "
-                            f"{'cuda' if backend.is_cupy(g) else 'cpu'}")
+                            f"{param.device}, got {backend.device_of(g)}")
         return g
 
     def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
@@ -534,10 +689,10 @@ class FusedCommBuffer:
     def comm_grads(self) -> None:
         """Start reducing the grad buffer; every param must have checked in."""
         if self._checked_in != len(self._params):
-            missing = self.missing_params()
             raise CheckInError(
-                f"{self._where()}: {self._checked_in}/{len(self._params)} params checked in: "
-                f"missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
+                f"{self._where()}: step {self._step}: {self._checked_in_text()} (expected "
+                f"{self._acc_steps} add_grad per param; mark_unused(param) checks in a param "
+                f"that gets no gradient this step)")
         self._comm_grads()
 
     def _comm_grads(self) -> None:
@@ -556,6 +711,7 @@ class FusedCommBuffer:
             backend.scale_(self.grad_storage, 1.0 / n)
         avg = 1.0 / n if self._use_reduce_avg else None
         name = f"buffer {self._id} {self._act.name.lower()}"
+        self._task_seq = self._start_collective()
         if self._act == HookAction.ALL_REDUCE:
             self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name)
         elif self._act == HookAction.REDUCE:
@@ -568,6 +724,7 @@ class FusedCommBuffer:
                 shard = self.grad_storage[begin:end]
             self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name)
             if self._free_grads_in_comm:
+                self._pre_comm_grads = self.grad_storage  # until the shard holds the result
                 self.reset_grad_storage(shard)
 
     def _check_naninf(self) -> None:
@@ -602,9 +759,13 @@ class FusedCommBuffer:
         self._reset_params_checked_in()
 
     def wait(self) -> None:
-        """Wait for this step's grad communication (within the buffer's timeout)."""
+        """Wait for this step's grad communication (within the buffer's timeout).
+
+        On ``CommTimeoutError`` the collective stays pending; calling again keeps waiting.
+        """
         if self._task is not None:
-            self._task.wait(self.timeout)
+            self._wait_task(self._task, "grad communication", self._task_seq)
+            self._pre_comm_grads = None
 
     def _reset_params_checked_in(self) -> None:
         self._task = None
@@ -642,14 +803,18 @@ class FusedCommBuffer:
                                 f"task: {', '.join(taken)}")
         if self.nranks == 1:
             return None
+        seq = self._start_collective()
         task = self._comm.allgather_inplace(self.param_storage,
                                             name=f"buffer {self._id} sync_params")
-        if sync:
-            task.wait(self.timeout)
-            self.status = FusedCommBuffer.Status.READY
-            return None
         self.status = FusedCommBuffer.Status.SYNCING
         task.add_done_callback(self._mark_ready)
+        if sync:
+            try:
+                self._wait_task(task, "sync_params", seq)
+            except CommError:
+                self.sync_param_task = task  # still pending: stays SYNCING, waitable again
+                raise
+            return None
         self.sync_param_task = task
         if param2task is not None:
             for p in self._params:
