@@ -11,12 +11,13 @@ from .errors import (CheckInError, CommError, CommTimeoutError, FusionError, Gra
                      LayoutError, NanInfError)
 from .fusion import assign_group_by_size, filter_params, fused_parameters, obtain_storage
 from .layout import get_group_size
+from .backend import to_torch
 from .param import Param
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Param", "FusedCommBuffer", "HookAction", "HOOK_ACTION", "ShardingGradView", "CommTask",
+    "Param", "to_torch", "FusedCommBuffer", "HookAction", "HOOK_ACTION", "ShardingGradView", "CommTask",
     "fused_parameters", "obtain_storage", "filter_params", "assign_group_by_size",
     "get_group_size", "flatten_dense_tensors", "build_reduce_scatter_buffer",
     "FusionError", "LayoutError", "GradError", "CheckInError", "CommError",

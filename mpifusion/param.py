@@ -32,9 +32,9 @@ class Param:
         if not isinstance(name, str) or not name:
             raise ValueError(f"Param name: expected a non-empty str, got {name!r}")
         self.name = name
-        self.data = backend.asarray(array)
-        self.grad = None if grad is None else backend.asarray(grad)
-        self.main_grad = None if main_grad is None else backend.asarray(main_grad)
+        self.data = _import(name, "array", array)
+        self.grad = _import(name, "grad", grad, like=self.data)
+        self.main_grad = _import(name, "main_grad", main_grad, like=self.data)
         self.trainable = bool(trainable)
         self.stop_gradient = bool(stop_gradient)
         self.is_distributed = bool(is_distributed)
@@ -53,6 +53,7 @@ class Param:
         if value is not None:
             self._shape = tuple(value.shape)
             self._dtype = dtype_name(value.dtype)
+            self._device = backend.device_of(value)
 
     @property
     def shape(self) -> tuple:
@@ -61,6 +62,11 @@ class Param:
     @property
     def dtype(self) -> str:
         return self._dtype
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``: where the data (and so the buffer it joins) lives."""
+        return self._device
 
     @property
     def numel(self) -> int:
@@ -77,3 +83,22 @@ class Param:
 
     def __repr__(self) -> str:
         return f"Param({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _import(name: str, field: str, value: Any, like: Any = None) -> Any:
+    """``value`` as a numpy/cupy array sharing its memory, checked against the param's data."""
+    if value is None:
+        return None
+    try:
+        arr = backend.asarray(value)
+    except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+        raise TypeError(f"Param '{name}': {field}: {exc}") from None
+    if like is not None:
+        if tuple(arr.shape) != tuple(like.shape):
+            raise ValueError(f"Param '{name}': {field}: expected shape {tuple(like.shape)} "
+                             f"like its data, got {tuple(arr.shape)}")
+        if backend.device_of(arr) != backend.device_of(like):
+            raise ValueError(f"Param '{name}': {field}: expected device "
+                             f"{backend.device_of(like)} like its data, got "
+                             f"{backend.device_of(arr)}")
+    return arr
