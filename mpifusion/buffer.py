@@ -667,7 +667,9 @@ class FusedCommBuffer:
             slot = self.layout[param.name]
             view = self.grad_storage[slot.offset:slot.end].reshape(slot.shape)
         own = _grad_of(param, self.use_main_grad)
-        if own is not None and own is not view:
+        # a grad still viewing this very slot (grad buffer kept from the last step) is
+        # already in it: adding it again would count it twice
+        if own is not None and backend.data_ptr(own) != backend.data_ptr(view):
             view += own.reshape(view.shape)
         if grad is not None:
             view += grad
