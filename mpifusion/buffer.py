@@ -373,6 +373,7 @@ class FusedCommBuffer:
         self._task_seq = 0
         self._abandoned: list = []      # timed-out tasks given up by reset(abandon=True)
         self._pre_comm_grads = None     # free_grads_in_comm: the full grads while in flight
+        self._grads_are_shard = False   # grad_storage is a reduce-scattered shard
         if comm is not None and comm.size > 1:
             self._tracker = health.tracker_for(comm.comm)
             self._key = self._tracker.register()
@@ -629,6 +630,7 @@ class FusedCommBuffer:
                            self._step)
             if self._pre_comm_grads is not None:
                 self.grad_storage = self._pre_comm_grads
+                self._grads_are_shard = False
                 for view in self._sharding_param_grad_view.values():
                     view.attach_grad_buffer(self.grad_storage, link_param=False)
         self._pre_comm_grads = None
@@ -657,8 +659,10 @@ class FusedCommBuffer:
 
     def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
         """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
-        if self.grad_storage is None:
+        if self.grad_storage is None or self._grads_are_shard:
+            # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
             self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, param.data)
+            self._grads_are_shard = False
         link = not self._free_grads_in_comm
         if self._act == HookAction.REDUCE_SCATTER:
             view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
@@ -711,7 +715,10 @@ class FusedCommBuffer:
         n = self._comm.size
         if not self._scale_after_comm and not self._use_reduce_avg:
             backend.scale_(self.grad_storage, 1.0 / n)
-        avg = 1.0 / n if self._use_reduce_avg else None
+        # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
+        # while it is still wide (fp32 for half buffers: one rounding) and in cache;
+        # scale_grads scales the regions that received no result (Paddle scales the whole buffer)
+        avg = 1.0 / n if (self._use_reduce_avg or self._scale_after_comm) else None
         name = f"buffer {self._id} {self._act.name.lower()}"
         self._task_seq = self._start_collective()
         if self._act == HookAction.ALL_REDUCE:
@@ -757,8 +764,20 @@ class FusedCommBuffer:
                                    f"use_comm=False needs an explicit comm_grads())")
             self.wait()
             if self._scale_after_comm and not self._use_reduce_avg:
-                backend.scale_(self.grad_storage, 1.0 / self._comm.size)
+                for region in self._unreduced_regions():
+                    backend.scale_(region, 1.0 / self._comm.size)
         self._reset_params_checked_in()
+
+    def _unreduced_regions(self) -> list:
+        """Parts of the grad buffer that kept local values (no reduced result landed there)."""
+        if self._act == HookAction.ALL_REDUCE:
+            return []
+        if self._act == HookAction.REDUCE:
+            return [] if self._comm.rank == self._dst else [self.grad_storage]
+        if self._grads_are_shard:  # free_grads_in_comm: only the (reduced) shard is left
+            return []
+        begin, end = self.layout.shard_range(self._comm.rank)
+        return [self.grad_storage[:begin], self.grad_storage[end:]]
 
     def wait(self) -> None:
         """Wait for this step's grad communication (within the buffer's timeout).
@@ -862,6 +881,7 @@ class FusedCommBuffer:
     def reset_grad_storage(self, shard_buffer: Any) -> None:
         """Make a shard-sized buffer this buffer's grads (``free_grads_in_comm``)."""
         self.grad_storage = shard_buffer
+        self._grads_are_shard = True
         for view in self._sharding_param_grad_view.values():
             view.reset_grad_buffer(shard_buffer)
 

@@ -141,29 +141,30 @@ def test_free_grads_in_comm_and_slice_grads(comm):
     params = make_params(np.float32)
     buf = FusedCommBuffer(2, params, comm, act=HookAction.REDUCE_SCATTER, release_grads=True,
                           free_grads_in_comm=True)
-    for i, p in reversed(list(enumerate(params))):
-        buf.add_grad(p, grad=grad_for(rank, 0, 0, i, p.shape, "float32"))
-        assert p.grad is None  # moved into the buffer, not viewed
-    buf.scale_grads()
-    lo, hi = buf.layout.shard_range(rank)
-    assert buf.grad_storage.size == hi - lo  # only this rank's shard is kept
-    for i, p in enumerate(params):
-        piece = buf.layout.slice_of(p.name, rank)
-        sp = Param(p.name + "@slice", np.empty(0, np.float32))  # not yet initialised
-        buf.assign_slice_grad(p, sp)
-        if piece is None:
-            assert sp.grad is None
-            continue
-        slot = buf.layout[p.name]
-        total, mag = reduced(n, 0, 1, i, p.shape, "float32")
-        full = np.zeros(slot.padded_numel)
-        full[:slot.numel] = total.ravel() / n
-        want = full[piece[0] - slot.offset:piece[1] - slot.offset]
-        tol = np.full(slot.padded_numel, 1e-30)
-        tol[:slot.numel] = bound(mag, n, 1, "float32").ravel()
-        assert_close(sp.grad, want, tol[piece[0] - slot.offset:piece[1] - slot.offset], p.name)
-        assert np.shares_memory(sp.data, buf.param_storage)
-        assert sp.data.shape == (piece[1] - piece[0],)
+    for step in range(2):  # the second step must get a full buffer again, not last step's shard
+        for i, p in reversed(list(enumerate(params))):
+            buf.add_grad(p, grad=grad_for(rank, step, 0, i, p.shape, "float32"))
+            assert p.grad is None  # moved into the buffer, not viewed
+        buf.scale_grads()
+        lo, hi = buf.layout.shard_range(rank)
+        assert buf.grad_storage.size == hi - lo  # only this rank's shard is kept
+        for i, p in enumerate(params):
+            piece = buf.layout.slice_of(p.name, rank)
+            sp = Param(p.name + "@slice", np.empty(0, np.float32))  # not yet initialised
+            buf.assign_slice_grad(p, sp)
+            if piece is None:
+                assert sp.grad is None
+                continue
+            slot = buf.layout[p.name]
+            total, mag = reduced(n, step, 1, i, p.shape, "float32")
+            full = np.zeros(slot.padded_numel)
+            full[:slot.numel] = total.ravel() / n
+            part = slice(piece[0] - slot.offset, piece[1] - slot.offset)
+            tol = np.full(slot.padded_numel, 1e-30)
+            tol[:slot.numel] = bound(mag, n, 1, "float32").ravel()
+            assert_close(sp.grad, full[part], tol[part], f"step {step} {p.name}")
+            assert np.shares_memory(sp.data, buf.param_storage)
+            assert sp.data.shape == (piece[1] - piece[0],)
 
 
 @pytest.mark.parametrize("sync", [True, False])
