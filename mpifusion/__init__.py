@@ -4,8 +4,8 @@ Params and grads live in flat, 256-byte-aligned buffers grouped by size; grads a
 with non-blocking MPI collectives (all-reduce, reduce, reduce-scatter) and sharded params are
 all-gathered back. Backward hooks are emulated by explicit ``add_grad`` calls.
 """
-from .buffer import (HOOK_ACTION, FusedCommBuffer, HookAction, ShardingGradView,
-                     build_reduce_scatter_buffer, flatten_dense_tensors)
+from .buffer import HOOK_ACTION, FusedCommBuffer, HookAction
+from .storage import ShardingGradView, build_reduce_scatter_buffer, flatten_dense_tensors
 from .comm import CommTask
 from .errors import (CheckInError, CommError, CommTimeoutError, FusionError, GradError,
                      LayoutError, NanInfError)

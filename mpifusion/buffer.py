@@ -36,8 +36,10 @@ from .dtypes import as_dtype, float32
 from . import health
 from .errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
                      NanInfError)
-from .layout import ALIGNMENT_BYTES, FlatLayout, plan_flat, plan_sharded
+from .layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from .param import Param
+from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
+                      plan_or_raise, set_grad, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -92,190 +94,6 @@ def default_timeout() -> Optional[float]:
     return seconds if seconds > 0 else None
 
 
-def _world_rank() -> int:
-    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
-
-
-def _grad_of(param: Param, use_main_grad: bool) -> Any:
-    return param.main_grad if use_main_grad else param.grad
-
-
-def _set_grad(param: Param, use_main_grad: bool, value: Any) -> None:
-    if use_main_grad:
-        param.main_grad = value
-    else:
-        param.grad = value
-
-
-def _check_trainable(params: Sequence[Param], rank: int) -> None:
-    for p in params:
-        if not p.trainable:
-            raise LayoutError(f"rank {rank}: param '{p.name}': expected a trainable param "
-                              f"(only trainable params are fused), got trainable=False")
-
-
-def _plan(plan_fn, params, *args, rank: int) -> FlatLayout:
-    try:
-        return plan_fn(params, *args)
-    except ValueError as exc:
-        raise LayoutError(f"rank {rank}: {exc}") from None
-
-
-def _share_params(params: Sequence[Param], layout: FlatLayout, param_buffer: Any) -> None:
-    """Copy each param into its slot and make ``param.data`` a view of the slot."""
-    for p in params:
-        slot = layout[p.name]
-        view = param_buffer[slot.offset:slot.end].reshape(slot.shape)
-        view[...] = p.data
-        p.data = view
-
-
-def _link_grads(params: Sequence[Param], layout: FlatLayout, grad_buffer: Any,
-                use_main_grad: bool) -> None:
-    """Make each grad (or main_grad) a view of its slot, keeping any value it already had."""
-    for p in params:
-        slot = layout[p.name]
-        view = grad_buffer[slot.offset:slot.end].reshape(slot.shape)
-        old = _grad_of(p, use_main_grad)
-        if old is not None and old.size == view.size:
-            view[...] = old.reshape(slot.shape)
-        _set_grad(p, use_main_grad, view)
-
-
-def flatten_dense_tensors(
-    parameters: Sequence[Param],
-    use_main_grad: bool = False,
-    fuse_param: bool = True,
-    warp_buffer: bool = False,
-    release_grad: bool = False,
-):
-    """Fuse params (optional) and grads into 256-byte-aligned flat buffers.
-
-    Returns ``(param_buffer, grad_buffer)`` with ``fuse_param``, else ``(grad_buffer,)``;
-    with ``release_grad`` it only plans: ``(None, total_numel, param2offset)``.
-    ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
-    """
-    rank = _world_rank()
-    _check_trainable(parameters, rank)
-    layout = _plan(plan_flat, parameters, rank=rank)
-    if release_grad:
-        return None, layout.numel, layout.param2offset
-    like = parameters[0].data
-    outputs = ()
-    if fuse_param:
-        param_buffer = backend.zeros(layout.numel, layout.dtype, like)
-        _share_params(parameters, layout, param_buffer)
-        outputs = (param_buffer,)
-    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
-    grad_buffer = backend.zeros(layout.numel, grad_dtype, like)
-    _link_grads(parameters, layout, grad_buffer, use_main_grad)
-    return outputs + (grad_buffer,)
-
-
-class ShardingGradView:
-    """One param's place in a reduce-scatter buffer, and its slice on this rank."""
-
-    def __init__(self, param: Param, layout: FlatLayout, rank: int, param_buffer: Any,
-                 grad_buffer: Any, use_main_grad: bool = False, release_grad: bool = False) -> None:
-        self.param = param
-        self.slot = layout[param.name]
-        self._use_main_grad = use_main_grad
-        self.rank_begin, _ = layout.shard_range(rank)
-        piece = layout.slice_of(param.name, rank)
-        self.param_begin, self.param_end = piece if piece else (0, 0)
-        self._param_buffer = param_buffer
-        self.grad_buffer = None
-        self.slice_grad = None
-        if not release_grad:
-            self.attach_grad_buffer(grad_buffer, link_param=True)
-        self.share_param_buffer(param_buffer, copy=True)
-
-    @property
-    def has_effective_slice_param(self) -> bool:
-        return self.param_begin < self.param_end
-
-    def attach_grad_buffer(self, grad_buffer: Any, link_param: bool) -> Any:
-        """Point this view at a (full) grad buffer; returns the param's full grad view."""
-        self.grad_buffer = grad_buffer
-        self.slice_grad = (grad_buffer[self.param_begin:self.param_end]
-                           if self.has_effective_slice_param else None)
-        view = grad_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
-        if link_param:
-            old = _grad_of(self.param, self._use_main_grad)
-            if old is not None and old.size == view.size:
-                view[...] = old.reshape(view.shape)
-            _set_grad(self.param, self._use_main_grad, view)
-        return view
-
-    def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
-        self._param_buffer = param_buffer
-        view = param_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
-        if copy:
-            view[...] = self.param.data
-        self.param.data = view
-
-    def fill_slice_param(self, slice_param: Param) -> None:
-        """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""
-        size = self.param_end - self.param_begin
-        if slice_param.data is not None and slice_param.numel not in (0, size):
-            raise LayoutError(f"slice param '{slice_param.name}' of '{self.param.name}': "
-                              f"expected {size} elements, got {slice_param.numel}")
-        slice_param.data = self._param_buffer[self.param_begin:self.param_end]
-
-    def assign_slice_grad(self, slice_param: Param) -> None:
-        if self.slice_grad is None:
-            return
-        self.fill_slice_param(slice_param)
-        _set_grad(slice_param, self._use_main_grad, self.slice_grad)
-
-    def reset_grad_buffer(self, shard_buffer: Any) -> None:
-        """After ``free_grads_in_comm``: the slice now lives in the shard-sized buffer."""
-        self.grad_buffer = shard_buffer
-        self.slice_grad = (shard_buffer[self.param_begin - self.rank_begin:
-                                        self.param_end - self.rank_begin]
-                           if self.has_effective_slice_param else None)
-
-    def clear_grad_buffer(self) -> None:
-        self.grad_buffer = None
-        self.slice_grad = None
-
-
-def build_reduce_scatter_buffer(
-    parameters: Sequence[Param],
-    sharding_degree: int,
-    rank: int,
-    use_main_grad: bool = False,
-    release_grad: bool = False,
-    init_slice_param: bool = False,
-    slice_params: Optional[dict] = None,
-):
-    """Fuse params and grads into a buffer padded to split evenly over ``sharding_degree``.
-
-    Returns ``(views, total_numel, param_buffer, grad_buffer, param_buffer_ipc_meta)``, where
-    ``views`` maps each param name to its ``ShardingGradView``.
-    """
-    _check_trainable(parameters, rank)
-    layout = _plan(plan_sharded, parameters, sharding_degree, rank=rank)
-    slice_params = {} if slice_params is None else slice_params
-    if init_slice_param:
-        for p in parameters:
-            if layout.slice_of(p.name, rank) and p.name not in slice_params:
-                raise LayoutError(f"rank {rank}: slice_params: expected an entry for param "
-                                  f"'{p.name}' (it has a slice on this rank)")
-    like = parameters[0].data
-    param_buffer = backend.zeros(layout.numel, layout.dtype, like)
-    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
-    grad_buffer = None if release_grad else backend.zeros(layout.numel, grad_dtype, like)
-    views = {}
-    for p in parameters:
-        view = ShardingGradView(p, layout, rank, param_buffer, grad_buffer,
-                                use_main_grad=use_main_grad, release_grad=release_grad)
-        if init_slice_param and view.has_effective_slice_param:
-            view.fill_slice_param(slice_params[p.name])
-        views[p.name] = view
-    return views, layout.numel, param_buffer, grad_buffer, backend.ipc_handle(param_buffer)
-
-
 class FusedCommBuffer:
     """A group of same-dtype params whose grads are reduced together (Paddle's FusedCommBuffer).
 
@@ -309,7 +127,7 @@ class FusedCommBuffer:
         self._id = id
         self._params = list(params)
         comm = None if comm_group is None else Communicator(comm_group)
-        rank = comm.rank if comm is not None else _world_rank()
+        rank = comm.rank if comm is not None else world_rank()
         self._rank = rank
         where = f"rank {rank}: buffer {id}"
         if not self._params:
@@ -393,8 +211,8 @@ class FusedCommBuffer:
             self.layout = plan_sharded(self._params, nranks)
             self._params[0].comm_buffer_ref = weakref.ref(self)
         else:
-            _check_trainable(self._params, rank)
-            self.layout = _plan(plan_flat, self._params, rank=rank)
+            check_trainable(self._params, rank)
+            self.layout = plan_or_raise(plan_flat, self._params, rank=rank)
             self.buffer_size = self.layout.numel
             if self._fuse_param:
                 self.param_storage, self.grad_storage = flatten_dense_tensors(
@@ -407,7 +225,7 @@ class FusedCommBuffer:
         self._by_name = {p.name: p for p in self._params}
         self._steps = dict.fromkeys(self._by_name, 0)
         self._checked_in = 0
-        self._grad_addr = {p.name: backend.data_ptr(_grad_of(p, self.use_main_grad))
+        self._grad_addr = {p.name: backend.data_ptr(grad_of(p, self.use_main_grad))
                            for p in self._params}
 
     # ------------------------------------------------------------------ introspection
@@ -546,7 +364,7 @@ class FusedCommBuffer:
             grad = self._check_grad(param, grad)
         fresh = self._release_grads and steps == 0
         if not fresh:
-            addr = backend.data_ptr(_grad_of(param, self.use_main_grad))
+            addr = backend.data_ptr(grad_of(param, self.use_main_grad))
             if addr != self._grad_addr[name]:
                 raise GradError(
                     f"{self._where()}: param '{name}': the address of its "
@@ -554,7 +372,7 @@ class FusedCommBuffer:
                     f"(expected the view into the grad buffer). Accumulate in place "
                     f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
             if grad is not None:
-                view = _grad_of(param, self.use_main_grad)
+                view = grad_of(param, self.use_main_grad)
                 view += grad
         else:
             self._copy_grad_to_buffer(param, grad)
@@ -670,14 +488,14 @@ class FusedCommBuffer:
         else:
             slot = self.layout[param.name]
             view = self.grad_storage[slot.offset:slot.end].reshape(slot.shape)
-        own = _grad_of(param, self.use_main_grad)
+        own = grad_of(param, self.use_main_grad)
         # a grad still viewing this very slot (grad buffer kept from the last step) is
         # already in it: adding it again would count it twice
         if own is not None and backend.data_ptr(own) != backend.data_ptr(view):
             view += own.reshape(view.shape)
         if grad is not None:
             view += grad
-        _set_grad(param, self.use_main_grad, view if link else None)
+        set_grad(param, self.use_main_grad, view if link else None)
         self._grad_addr[param.name] = backend.data_ptr(view if link else None)
 
     # ------------------------------------------------------------------ communication
@@ -742,7 +560,7 @@ class FusedCommBuffer:
             return
         counts = []
         for p in self._params:
-            g = _grad_of(p, self.use_main_grad)
+            g = grad_of(p, self.use_main_grad)
             if g is not None:
                 c = backend.nonfinite_count(g)
                 if c:
@@ -871,9 +689,9 @@ class FusedCommBuffer:
                             f"flight; expected scale_grads() first")
         self.grad_storage = None
         for p in self._params:
-            g = _grad_of(p, self.use_main_grad)
+            g = grad_of(p, self.use_main_grad)
             if g is not None and backend.data_ptr(g) == self._grad_addr.get(p.name):
-                _set_grad(p, self.use_main_grad, None)
+                set_grad(p, self.use_main_grad, None)
             self._grad_addr[p.name] = 0
         for view in self._sharding_param_grad_view.values():
             view.clear_grad_buffer()

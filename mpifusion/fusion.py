@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from mpi4py import MPI
 
-from .buffer import FusedCommBuffer, HookAction, _world_rank
+from .buffer import FusedCommBuffer, HookAction
+from .storage import world_rank
 from .dtypes import itemsize
 from .errors import LayoutError
 from .layout import ASSIGN_GROUP_SIZE, FUSED_GROUP_SIZE, group_indices_by_size
@@ -29,7 +30,7 @@ def assign_group_by_size(parameters: Sequence[Param],
     try:
         indices = group_indices_by_size(parameters, group_size)
     except ValueError as exc:
-        raise LayoutError(f"rank {_world_rank()}: {exc}") from None
+        raise LayoutError(f"rank {world_rank()}: {exc}") from None
     for group_idx, members in enumerate(indices):
         groups[group_idx] = [parameters[i] for i in members]
     if logger.isEnabledFor(logging.INFO):
@@ -52,7 +53,7 @@ def filter_params(params: Sequence[Param], is_fp32: bool, is_distributed: bool,
     dtype = chosen[0].dtype if chosen else None
     for p in chosen:
         if p.dtype != dtype:
-            raise LayoutError(f"rank {_world_rank()}: param '{p.name}': expected dtype {dtype} "
+            raise LayoutError(f"rank {world_rank()}: param '{p.name}': expected dtype {dtype} "
                               f"like '{chosen[0].name}' (all non-fp32 params must share one "
                               f"dtype), got {p.dtype}")
     return chosen, dtype
@@ -128,7 +129,7 @@ def _fused_parameters_impl(parameters, *, use_main_grad, fuse_param, comm_overla
             if half_dtype is None:
                 half_dtype = dtype
             elif dtype != half_dtype:
-                raise LayoutError(f"rank {_world_rank()}: param '{params[0].name}': expected "
+                raise LayoutError(f"rank {world_rank()}: param '{params[0].name}': expected "
                                   f"dtype {half_dtype} (one non-fp32 dtype per model), got {dtype}")
         splits.append((params, dist, clip))
 
@@ -172,11 +173,11 @@ def fused_parameters(
     act = HookAction.REDUCE if act is None else HookAction.parse(act)
     if comm_overlap and comm_group is None:
         if act != HookAction.ALL_REDUCE:
-            raise LayoutError(f"rank {_world_rank()}: comm_group: only ALL_REDUCE may use the "
+            raise LayoutError(f"rank {world_rank()}: comm_group: only ALL_REDUCE may use the "
                               f"default communicator (COMM_WORLD); got {act.name} without one")
         comm_group = MPI.COMM_WORLD
     if act == HookAction.REDUCE and dst == -1:
-        raise LayoutError(f"rank {_world_rank()}: dst: REDUCE expected the root's rank, got -1")
+        raise LayoutError(f"rank {world_rank()}: dst: REDUCE expected the root's rank, got -1")
     if act == HookAction.ALL_REDUCE:
         dst = -1
     options = dict(use_main_grad=use_main_grad, fuse_param=fuse_param,
@@ -190,7 +191,7 @@ def fused_parameters(
     updated, buffers = [], []
     for idx, group in enumerate(parameters):
         if not isinstance(group, dict) or "params" not in group:
-            raise LayoutError(f"rank {_world_rank()}: parameters[{idx}]: with group_params=True "
+            raise LayoutError(f"rank {world_rank()}: parameters[{idx}]: with group_params=True "
                               f"expected a dict with a 'params' list, got {type(group).__name__}")
         real = group["params"]
         _, group_fused, group_buffers = _fused_parameters_impl(real, **options)

@@ -5,7 +5,6 @@ Skipped where paddle is not installed (``pip install -e '.[paddle]'``; scripts/t
 """
 import itertools
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
