@@ -8,9 +8,9 @@ export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 # Open MPI refuses root and oversubscription unless told; MPICH ignores these.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 PYTHON=${PYTHON:-python3}
-# torch (CPU build, pinned) and paddle (CPU) let the framework and Paddle-parity tests run;
+# torch (CPU build, pinned), jax and paddle (CPU) let the framework and Paddle-parity tests run;
 # MPIFUSION_TEST_EXTRAS="" skips them (those tests are then skipped, not failed).
-EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,paddle}
+EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
 if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
   "$PYTHON" -m pip install -q -e ".[mpi,test${EXTRAS:+,$EXTRAS}]"
 fi
