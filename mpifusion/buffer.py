@@ -225,8 +225,9 @@ class FusedCommBuffer:
         self._by_name = {p.name: p for p in self._params}
         self._steps = dict.fromkeys(self._by_name, 0)
         self._checked_in = 0
-        self._grad_addr = {p.name: backend.data_ptr(grad_of(p, self.use_main_grad))
-                           for p in self._params}
+        # the grad (or main_grad) array each param must still have at its next add_grad: the
+        # view into the grad buffer (kept as the array, so the hot path is an identity check)
+        self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -362,19 +363,18 @@ class FusedCommBuffer:
                             f"scale_grads() before its next add_grad")
         if grad is not None:
             grad = self._check_grad(param, grad)
-        fresh = self._release_grads and steps == 0
-        if not fresh:
-            addr = backend.data_ptr(grad_of(param, self.use_main_grad))
-            if addr != self._grad_addr[name]:
-                raise GradError(
-                    f"{self._where()}: param '{name}': the address of its "
-                    f"{'main_grad' if self.use_main_grad else 'grad'} changed since it was fused "
-                    f"(expected the view into the grad buffer). Accumulate in place "
-                    f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+        if steps or not self._release_grads:
+            view = param.main_grad if self.use_main_grad else param.grad
+            if view is not self._grad_view[name]:
+                self._check_grad_moved(param, view)
+            if view is None:
+                raise GradError(f"{self._where()}: param '{name}': no grad buffer to accumulate "
+                                f"into (cleared by clear_grad_storage); expected "
+                                f"release_grads=True for that")
             if grad is not None:
-                view = grad_of(param, self.use_main_grad)
                 view += grad
         else:
+            self._check_own_grad(param)
             self._copy_grad_to_buffer(param, grad)
         steps += 1
         self._steps[name] = steps
@@ -403,6 +403,8 @@ class FusedCommBuffer:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
                                 f"checked in this step (acc_steps={self._acc_steps}); "
                                 f"expected scale_grads() first")
+            if self._release_grads and self._steps[name] == 0:
+                self._check_own_grad(param)
             names.append(name)
         if self.grad_storage is None and not self._release_grads:
             raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
@@ -475,6 +477,21 @@ class FusedCommBuffer:
                             f"{param.device}, got {backend.device_of(g)}")
         return g
 
+    def _check_grad_moved(self, param: Param, view: Any) -> None:
+        """Raise if ``view`` (the param's grad now) is not at the address it was fused at."""
+        if backend.data_ptr(view) != backend.data_ptr(self._grad_view[param.name]):
+            raise GradError(
+                f"{self._where()}: param '{param.name}': the address of its "
+                f"{'main_grad' if self.use_main_grad else 'grad'} changed since it was fused "
+                f"(expected the view into the grad buffer). Accumulate in place "
+                f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+
+    def _check_own_grad(self, param: Param) -> None:
+        """release_grads: the param's own grad must fit its slot before anything is moved."""
+        own = grad_of(param, self.use_main_grad)
+        if own is not None:
+            self._check_grad(param, own)
+
     def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
         """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
         if self.grad_storage is None or self._grads_are_shard:
@@ -496,7 +513,7 @@ class FusedCommBuffer:
         if grad is not None:
             view += grad
         set_grad(param, self.use_main_grad, view if link else None)
-        self._grad_addr[param.name] = backend.data_ptr(view if link else None)
+        self._grad_view[param.name] = view if link else None
 
     # ------------------------------------------------------------------ communication
     def need_reduce_scale_sync(self) -> bool:
@@ -675,8 +692,7 @@ class FusedCommBuffer:
     def reset_param_storage(self) -> None:
         """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
         self._require_sharded("reset_param_storage")
-        like = self.grad_storage if self.grad_storage is not None else None
-        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, like)
+        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self.grad_storage)
         for p in self._params:
             self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
                                                                       copy=False)
@@ -690,9 +706,9 @@ class FusedCommBuffer:
         self.grad_storage = None
         for p in self._params:
             g = grad_of(p, self.use_main_grad)
-            if g is not None and backend.data_ptr(g) == self._grad_addr.get(p.name):
+            if g is not None and backend.data_ptr(g) == backend.data_ptr(self._grad_view[p.name]):
                 set_grad(p, self.use_main_grad, None)
-            self._grad_addr[p.name] = 0
+            self._grad_view[p.name] = None
         for view in self._sharding_param_grad_view.values():
             view.clear_grad_buffer()
 

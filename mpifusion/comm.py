@@ -316,18 +316,27 @@ class _ThreadEngine(_Engine):
         self.thread.join(timeout=1.0)
 
 
-_DUPS: Dict[Any, MPI.Comm] = {}
-_ENGINES: Dict[Any, _Engine] = {}
+#: Engines by the handle of their private communicator (never freed, so never reused).
+_ENGINES: Dict[int, _Engine] = {}
+#: MPI attribute key under which a communicator caches its private duplicates ({tag: dup}).
+#: An attribute, not a dict keyed by handle: MPI reuses the handle of a freed communicator,
+#: and a new communicator must not inherit the old one's duplicate (another group).
+_DUPS_KEYVAL: Optional[int] = None
 
 
 def private_comm(comm: MPI.Comm, tag: str = "") -> MPI.Comm:
     """A duplicate of ``comm`` made once per communicator and ``tag`` (collective on first
     use). Each strategy gets its own duplicate, so their calls can never interleave."""
-    key = (comm.py2f(), tag)
-    dup = _DUPS.get(key)
+    global _DUPS_KEYVAL
+    if _DUPS_KEYVAL is None:
+        _DUPS_KEYVAL = MPI.Comm.Create_keyval()  # not copied by comm.Dup(), dropped by Free()
+    dups = comm.Get_attr(_DUPS_KEYVAL)
+    if dups is None:
+        dups = {}
+        comm.Set_attr(_DUPS_KEYVAL, dups)
+    dup = dups.get(tag)
     if dup is None:
-        dup = comm.Dup()
-        _DUPS[key] = dup
+        dup = dups[tag] = comm.Dup()
     return dup
 
 
@@ -419,9 +428,9 @@ class Communicator:
         self.comm = private_comm(comm, strategy)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        key = (comm.py2f(), strategy)
+        key = self.comm.py2f()
         engine = _ENGINES.get(key)
-        if engine is None or engine.comm is not self.comm:
+        if engine is None:
             engine = (_ThreadEngine if strategy == "thread" else _NonBlockingEngine)(self.comm)
             _ENGINES[key] = engine
         self._engine = engine

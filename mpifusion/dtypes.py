@@ -14,7 +14,8 @@ float16 = np.dtype(np.float16)
 float32 = np.dtype(np.float32)
 float64 = np.dtype(np.float64)
 
-_ALIASES = {
+#: every accepted name (lower case) -> its numpy dtype
+ALIASES = {
     "float16": float16, "fp16": float16, "half": float16,
     "bfloat16": bfloat16, "bf16": bfloat16,
     "float32": float32, "fp32": float32, "float": float32,
@@ -35,8 +36,8 @@ def as_dtype(value: Any) -> np.dtype:
         key = value.lower()
     else:
         key = str(value).lower().rsplit(".", 1)[-1]  # torch.float32 -> float32
-    if key in _ALIASES:
-        return _ALIASES[key]
+    if key in ALIASES:
+        return ALIASES[key]
     try:
         return np.dtype(value)
     except TypeError:

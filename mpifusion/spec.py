@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .dtypes import ALIASES, SUPPORTED
+
 __all__ = [
     "ACTS",
     "DEFAULT_GROUP_SIZE",
@@ -33,13 +35,9 @@ __all__ = [
 ACTS: tuple[str, ...] = ("all_reduce", "reduce", "reduce_scatter")
 DEFAULT_GROUP_SIZE = 256 * 1024 * 1024
 
-DTYPE_ALIASES: dict[str, str] = {
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float64": "float64", "fp64": "float64", "double": "float64",
-}
-ITEMSIZE: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+#: alias (fp16, bf16, double, ...) -> canonical name; the table of ``mpifusion.dtypes``
+DTYPE_ALIASES: dict[str, str] = {alias: dt.name for alias, dt in ALIASES.items()}
+ITEMSIZE: dict[str, int] = {dt.name: dt.itemsize for dt in SUPPORTED}
 
 _Path = tuple[Any, ...]
 

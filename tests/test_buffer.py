@@ -250,6 +250,25 @@ def test_release_grads_moves_own_grad_into_fresh_buffer():
     assert buf.grad_storage is None and ps[0].grad is None
 
 
+def test_release_grads_refuses_a_misfit_own_grad_and_changes_nothing():
+    ps = params()
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE, release_grads=True)
+    ps[0].grad = np.ones((3, 3), np.float32)  # rebound by the user to the wrong shape
+    for call in (lambda: buf.add_grad(ps[0]), lambda: buf.mark_unused(ps[1], ps[0])):
+        with pytest.raises(GradError, match="w0.*shape"):
+            call()
+        assert buf.grad_storage is None and buf.checked_in == 0 and ps[1].grad is None
+
+
+def test_add_grad_after_clear_grad_storage_is_refused():
+    ps = params()
+    buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
+    buf.clear_grad_storage()
+    with pytest.raises(GradError, match="rank 0.*w0.*clear_grad_storage"):
+        buf.add_grad(ps[0], grad=np.ones(ps[0].shape, np.float32))
+    assert buf.checked_in == 0 and buf.missing_params() == [p.name for p in ps]
+
+
 def test_fuse_param_gives_one_flat_param_with_flat_grad():
     ps = params()
     storage, buffers = obtain_storage(ps, fuse_param=True, comm_overlap=True,

@@ -264,3 +264,20 @@ def test_reduce_uses_dst_rank_of_the_buffer_comm(comm):
             np.testing.assert_array_equal(p.grad, rank)  # non-roots keep their own grads
     finally:
         sub.Free()
+
+
+def test_new_communicator_with_a_freed_ones_handle_gets_its_own_group(comm):
+    """MPI reuses the handle of a freed communicator: its private duplicate must not be reused."""
+    rank = comm.Get_rank()
+    for split in (False, True):  # first all ranks, then odd and even ranks apart
+        sub = comm.Split(color=rank % 2 if split else 0, key=rank)
+        try:
+            p = Param("w", np.zeros(3, np.float32))
+            buf = FusedCommBuffer(0, [p], sub, act=HookAction.ALL_REDUCE, use_reduce_avg=True)
+            assert buf.nranks == sub.Get_size()
+            buf.add_grad(p, grad=np.full(3, rank, np.float32))
+            buf.scale_grads()
+            members = [r for r in range(comm.Get_size()) if not split or r % 2 == rank % 2]
+            np.testing.assert_allclose(p.grad, np.mean(members), rtol=1e-6)
+        finally:
+            sub.Free()
