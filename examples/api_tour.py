@@ -11,7 +11,7 @@ for act, dst in [(HookAction.ALL_REDUCE, -1), (HookAction.REDUCE, 0), (HookActio
     for micro_step in range(2):
         for p in reversed(params):  # backward visits params in reverse order
             buf.add_grad(p, grad=np.full(p.shape, rank + 1.0, np.float32))  # comm starts after the last
-    buf.scale_grads()  # wait, then scale by 1/nranks: the mean over ranks of the 2 micro-steps
+    buf.scale_grads()  # wait, then scale by 1/nranks: the mean over ranks of the 2 micro-steps' sum
     if act == HookAction.REDUCE_SCATTER:
         lo, hi = buf.layout.shard_range(rank)  # this rank's reduced shard of the flat grad buffer
         print(f"rank {rank} {act.name}: shard [{lo}, {hi}) max {buf.grad_storage[lo:hi].max()}, expected {nranks + 1.0}")
