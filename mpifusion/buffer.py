@@ -243,6 +243,11 @@ class FusedCommBuffer:
         return self._act
 
     @property
+    def grad_dtype(self) -> Any:
+        """dtype of the grad buffer (fp32 with use_main_grad, else the params' dtype)."""
+        return self._grad_dtype
+
+    @property
     def acc_steps(self) -> int:
         return self._acc_steps
 

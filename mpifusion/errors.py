@@ -10,6 +10,10 @@ class LayoutError(FusionError, ValueError):
     """Params that cannot be fused as asked (mixed dtypes, duplicate names, bad options)."""
 
 
+class AgreementError(LayoutError):
+    """Ranks tried to build different buffers (params, order, shapes, dtypes or options)."""
+
+
 class GradError(FusionError, ValueError):
     """A gradient handed to ``add_grad`` that cannot be accumulated (unknown param, wrong
     shape/dtype, replaced view, too many micro-steps)."""

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .errors import CommTimeoutError, LayoutError
+from .errors import AgreementError, CommTimeoutError
 
 #: Set to 0 to skip the construction-time agreement check (e.g. to time construction alone).
 AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
@@ -37,10 +37,6 @@ AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
 ANNOUNCE_TAG = 7411
 #: Up to this many ranks, every rank announces to every other; above it, only to rank 0.
 ANNOUNCE_ALL_MAX = 64
-
-
-class AgreementError(LayoutError):
-    """Ranks tried to build different buffers (params, order, shapes, dtypes or options)."""
 
 
 def agreement_enabled() -> bool:

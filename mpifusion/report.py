@@ -133,7 +133,8 @@ def _slices_text(slices: list) -> str:
 
 def layout_table(doc: dict, buffers: Sequence[PlannedBuffer]) -> str:
     """A readable table of :func:`layout_json`'s content (plus sizes and padding)."""
-    lines = [f"act {doc['act']}, nranks {doc['nranks']}, group size {doc['group_size']} bytes, "
+    nranks = doc["nranks"] if doc["nranks"] is not None else "any (not sharded)"
+    lines = [f"act {doc['act']}, nranks {nranks}, group size {doc['group_size']} bytes, "
              f"alignment {doc['alignment_bytes']} bytes, {len(buffers)} buffer(s)"]
     sharded = doc["act"] == "reduce_scatter"
     for b, jb in zip(buffers, doc["buffers"]):

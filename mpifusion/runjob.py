@@ -225,6 +225,13 @@ def _grad_dtype(spec: Spec, ps: Any) -> str:
     return "float32" if spec.use_main_grad else ps.dtype
 
 
+def _table_dtype(spec: Spec) -> Any:
+    """The least precise grad dtype of the run: its values convert exactly to every other
+    grad dtype (a model mixes fp32 with at most one half dtype), so one table feeds all."""
+    return min((as_dtype(_grad_dtype(spec, ps)) for ps in fused_params_of(spec)),
+               key=lambda d: np.finfo(d).nmant)
+
+
 class Verifier:
     """Compares what this rank holds after a sync with the float64 reference."""
 
@@ -327,8 +334,10 @@ def one_step(job: Job, src: GradSource, step: int) -> StepTimes:
     order = list(enumerate(job.params))[::-1]
     for micro in range(job.spec.acc_steps):
         for pidx, p in order:
-            g = None if p.stop_gradient else src.grad(rank, step, micro, pidx, p.shape)
             buf = job.owner[p.name]
+            g = None
+            if not p.stop_gradient:  # table values convert exactly to the buffer's grad dtype
+                g = src.grad(rank, step, micro, pidx, p.shape).astype(buf.grad_dtype, copy=False)
             t0 = time.perf_counter()
             p.backward(g)
             t1 = time.perf_counter()
@@ -394,12 +403,13 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
     if error is not None:
         return _fail_input(rank, error)
 
-    src = GradSource(options.seed, fused_params_of(spec)[0].dtype)
+    src = GradSource(options.seed, _table_dtype(spec))
     verifier = Verifier(job, src)
     grad_bytes = sum(b.grad_nbytes for b in job.plan)
     param_bytes = sum(b.layout.nbytes for b in job.plan)
-    model = bound_model(grad_dtype=job.plan[0].grad_dtype, nranks=size,
-                        acc_steps=spec.acc_steps, average=True)
+    models = {str(b.grad_dtype): bound_model(grad_dtype=b.grad_dtype, nranks=size,
+                                             acc_steps=spec.acc_steps, average=True)
+              for b in job.plan}
     strategy = getattr(job.buffers[0].comm, "strategy", None) if job.buffers else None
     out(f"mpifusion run: {size} rank(s), act {spec.act}, acc_steps {spec.acc_steps}, "
         f"{options.steps} step(s), {len(job.params)} params, use_main_grad {spec.use_main_grad}, "
@@ -410,7 +420,8 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         out("  " + buffer_summary(planned))
     if len(job.plan) > 8:
         out(f"  ... {len(job.plan) - 8} more buffer(s); see mpifusion layout")
-    out(f"error bound (oracle.error_bound): {model.formula}")
+    for grad_dtype, model in models.items():
+        out(f"error bound (oracle.error_bound, {grad_dtype} grads): {model.formula}")
 
     bar = None
     history = []

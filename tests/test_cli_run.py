@@ -102,3 +102,13 @@ def test_run_job_fails_when_sync_params_is_skipped(comm, monkeypatch, capsys):
     assert code == 1
     if comm.Get_rank() == 0:
         assert "wrong after sync_params" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("act", ["all_reduce", "reduce_scatter"])
+def test_mixed_dtype_spec_passes(tmp_path, act):
+    """fp32 and bf16 params in one model: two buffers, each fed grads in its own dtype."""
+    spec = tmp_path / "mixed.json"
+    spec.write_text('{"params": [{"name": "a", "shape": [2], "dtype": "fp32"},'
+                    ' {"name": "b", "shape": [5, 3], "dtype": "bf16"}]}')
+    out = _passed(mpiexec(3, "run", "--no-progress", "--spec", str(spec), "--act", act))
+    assert "float32 grads" in out and "bfloat16 grads" in out
