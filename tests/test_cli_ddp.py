@@ -13,8 +13,15 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ddp_check_ex
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
     pytest.importorskip("torch")
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
-                          text=True, timeout=280)
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
+                              text=True, timeout=280)
+        lines = proc.stdout.strip().splitlines()
+        # gloo workers occasionally abort under load before any check ran: retry that once;
+        # a verdict (PASS/FAIL line from mpifusion check) is never retried
+        if lines and lines[-1].startswith(("PASS", "FAIL")):
+            break
+    return proc
 
 
 def test_ddp_dump_passes_check():
