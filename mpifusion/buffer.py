@@ -126,7 +126,8 @@ class FusedCommBuffer:
     ) -> None:
         self._id = id
         self._params = list(params)
-        comm = None if comm_group is None else Communicator(comm_group)
+        deadline = default_timeout() if timeout is None else (timeout or None)
+        comm = None if comm_group is None else Communicator(comm_group, timeout=deadline)
         rank = comm.rank if comm is not None else world_rank()
         self._rank = rank
         where = f"rank {rank}: buffer {id}"
@@ -177,7 +178,7 @@ class FusedCommBuffer:
         self._release_grads = bool(release_grads)
         self._use_reduce_avg = bool(use_reduce_avg)
         self._free_grads_in_comm = bool(free_grads_in_comm)
-        self.timeout = default_timeout() if timeout is None else (timeout or None)
+        self.timeout = deadline
         self.use_main_grad = (self._params[0].main_grad is not None
                               if use_main_grad is None else bool(use_main_grad))
         self.status = FusedCommBuffer.Status.READY

@@ -324,9 +324,11 @@ _ENGINES: Dict[int, _Engine] = {}
 _DUPS_KEYVAL: Optional[int] = None
 
 
-def private_comm(comm: MPI.Comm, tag: str = "") -> MPI.Comm:
+def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None) -> MPI.Comm:
     """A duplicate of ``comm`` made once per communicator and ``tag`` (collective on first
-    use). Each strategy gets its own duplicate, so their calls can never interleave."""
+    use). Each strategy gets its own duplicate, so their calls can never interleave.
+    With ``timeout``, the first use is bounded too: a rank that never builds a buffer on
+    ``comm`` gives a ``CommTimeoutError`` instead of a hang."""
     global _DUPS_KEYVAL
     if _DUPS_KEYVAL is None:
         _DUPS_KEYVAL = MPI.Comm.Create_keyval()  # not copied by comm.Dup(), dropped by Free()
@@ -336,7 +338,20 @@ def private_comm(comm: MPI.Comm, tag: str = "") -> MPI.Comm:
         comm.Set_attr(_DUPS_KEYVAL, dups)
     dup = dups.get(tag)
     if dup is None:
-        dup = dups[tag] = comm.Dup()
+        if timeout is None:
+            dup = comm.Dup()
+        else:
+            dup, request = comm.Idup()
+            deadline = time.monotonic() + timeout
+            while not request.Test():
+                if time.monotonic() >= deadline:
+                    CommTask.timed_out = True
+                    raise CommTimeoutError(
+                        f"rank {comm.Get_rank()}: duplicating comm_group for mpifusion (first "
+                        f"buffer on it) did not complete within {timeout:g} s: some rank of "
+                        f"the {comm.Get_size()} has not built a buffer on this communicator")
+                time.sleep(1e-3)
+        dups[tag] = dup
     return dup
 
 
@@ -407,7 +422,7 @@ class Communicator:
     """
 
     def __init__(self, comm: MPI.Comm, strategy: Optional[str] = None,
-                 segment_bytes: Optional[int] = None) -> None:
+                 segment_bytes: Optional[int] = None, timeout: Optional[float] = None) -> None:
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm_group: expected an mpi4py communicator, "
                             f"got {type(comm).__name__}")
@@ -425,7 +440,7 @@ class Communicator:
         self.strategy = strategy
         self.segment_bytes = resolve_segment_bytes(segment_bytes, strategy)
         self.user_comm = comm
-        self.comm = private_comm(comm, strategy)
+        self.comm = private_comm(comm, strategy, timeout)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         key = self.comm.py2f()

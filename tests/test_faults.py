@@ -38,6 +38,8 @@ DRIVER = textwrap.dedent('''
         names = ["w0", "w1", "extra"]
     params = [Param(n, np.zeros((3, 5), np.float32)) for n in names]
     comm.Barrier()  # start-up skew of oversubscribed ranks must not eat the deadline
+    if scenario == "nobuffer" and rank == bad:  # never builds its buffer
+        time.sleep(20 * float(os.environ["MPIFUSION_TIMEOUT"]))
     buf = FusedCommBuffer(0, params, comm, act="all_reduce")
     for p in params:
         g = np.full((3, 5), rank + 1.0, np.float32)
@@ -72,6 +74,8 @@ EXPECTED = {
     "exit": [],  # the launcher's own report, or a survivor's timeout: checked in the test
     "stall": ["CommTimeoutError", f"did not complete within {DEADLINE:g} s",
               "rank 1 of the buffer's communicator has not started"],
+    "nobuffer": ["CommTimeoutError", "duplicating comm_group for mpifusion",
+                 f"did not complete within {DEADLINE:g} s"],
     "nan": ["NanInfError", "rank 1: buffer 0: step 0", "w1 (2 of 15)", "2 NaN/Inf"],
     "shape": ["GradError", "rank 1: buffer 0: param 'w1': grad shape expected (3, 5), "
                            "got (5, 3)"],
@@ -135,7 +139,8 @@ def _run_job(tmp_path: Path, scenario: str, nranks: int, **env_extra: str):
 
 
 @pytest.mark.parametrize("nranks", RANKS)
-@pytest.mark.parametrize("scenario", ["mismatch", "withhold", "stall", "nan", "shape"])
+@pytest.mark.parametrize("scenario", ["mismatch", "withhold", "stall", "nobuffer", "nan",
+                                      "shape"])
 def test_fault_ends_with_error(tmp_path, scenario, nranks):
     env = {"MPIFUSION_CHECK_NANINF": "1"} if scenario == "nan" else {}
     rc, out, elapsed = _run_job(tmp_path, scenario, nranks, **env)
