@@ -32,14 +32,14 @@ from mpi4py import MPI
 
 from . import backend
 from .comm import CommTask, Communicator
-from .dtypes import as_dtype, float32
+from .dtypes import as_dtype
 from . import health
 from .errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
                      NanInfError)
 from .layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from .param import Param
 from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
-                      plan_or_raise, set_grad, world_rank)
+                      grad_dtype_for, plan_or_raise, set_grad, slot_view, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -222,7 +222,7 @@ class FusedCommBuffer:
                 (self.grad_storage,) = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=False)
         self.param2offset = self.layout.param2offset
-        self._grad_dtype = float32 if self.use_main_grad else as_dtype(self.layout.dtype)
+        self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
         self._by_name = {p.name: p for p in self._params}
         self._steps = dict.fromkeys(self._by_name, 0)
         self._checked_in = 0
@@ -358,11 +358,7 @@ class FusedCommBuffer:
         backward pass would; without it, whatever backward wrote into the view is used.
         """
         name = param.name
-        steps = self._steps.get(name)
-        if steps is None or self._by_name[name] is not param:
-            raise GradError(f"{self._where()}: param '{name}': not a param of this buffer "
-                            f"(it holds {len(self._params)} params: "
-                            f"{', '.join(list(self._by_name)[:5])}{', ...' if len(self._params) > 5 else ''})")
+        steps = self._steps_of(param)
         if steps >= self._acc_steps:
             raise GradError(f"{self._where()}: param '{name}': already checked in "
                             f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
@@ -402,14 +398,12 @@ class FusedCommBuffer:
         names = []
         for param in params:
             name = getattr(param, "name", None)
-            if self._steps.get(name) is None or self._by_name[name] is not param:
-                raise GradError(f"{self._where()}: mark_unused: {param!r} is not a param of "
-                                f"this buffer")
-            if self._steps[name] >= self._acc_steps or name in names:
+            steps = self._steps_of(param)
+            if steps >= self._acc_steps or name in names:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
                                 f"checked in this step (acc_steps={self._acc_steps}); "
                                 f"expected scale_grads() first")
-            if self._release_grads and self._steps[name] == 0:
+            if self._release_grads and steps == 0:
                 self._check_own_grad(param)
             names.append(name)
         if self.grad_storage is None and not self._release_grads:
@@ -467,6 +461,16 @@ class FusedCommBuffer:
         if zero_grads and self.grad_storage is not None:
             self.grad_storage[...] = 0
 
+    def _steps_of(self, param: Param) -> int:
+        """Micro-steps ``param`` has this step; raises unless it is a param of this buffer."""
+        name = getattr(param, "name", None)
+        steps = self._steps.get(name)
+        if steps is None or self._by_name[name] is not param:
+            held = ", ".join(list(self._by_name)[:5]) + (", ..." if len(self._params) > 5 else "")
+            raise GradError(f"{self._where()}: param '{name}': not a param of this buffer "
+                            f"(it holds {len(self._params)} params: {held})")
+        return steps
+
     def _check_grad(self, param: Param, grad: Any) -> Any:
         try:
             g = backend.asarray(grad)
@@ -509,8 +513,7 @@ class FusedCommBuffer:
             view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
                 self.grad_storage, link_param=False)
         else:
-            slot = self.layout[param.name]
-            view = self.grad_storage[slot.offset:slot.end].reshape(slot.shape)
+            view = slot_view(self.grad_storage, self.layout[param.name])
         own = grad_of(param, self.use_main_grad)
         # a grad still viewing this very slot (grad buffer kept from the last step) is
         # already in it: adding it again would count it twice

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from . import backend
 from .dtypes import as_dtype, float32
 from .errors import LayoutError
-from .layout import FlatLayout, plan_flat, plan_sharded
+from .layout import FlatLayout, Slot, plan_flat, plan_sharded
 from .param import Param
 
 
@@ -46,25 +46,29 @@ def plan_or_raise(plan_fn, params, *args, rank: int) -> FlatLayout:
         raise LayoutError(f"rank {rank}: {exc}") from None
 
 
-def _share_params(params: Sequence[Param], layout: FlatLayout, param_buffer: Any) -> None:
-    """Copy each param into its slot and make ``param.data`` a view of the slot."""
-    for p in params:
-        slot = layout[p.name]
-        view = param_buffer[slot.offset:slot.end].reshape(slot.shape)
-        view[...] = p.data
-        p.data = view
+def grad_dtype_for(param_dtype: Any, use_main_grad: bool) -> Any:
+    """fp32 main grads for (half-precision) params, else grads in the params' dtype."""
+    return float32 if use_main_grad else as_dtype(param_dtype)
 
 
-def _link_grads(params: Sequence[Param], layout: FlatLayout, grad_buffer: Any,
-                use_main_grad: bool) -> None:
-    """Make each grad (or main_grad) a view of its slot, keeping any value it already had."""
-    for p in params:
-        slot = layout[p.name]
-        view = grad_buffer[slot.offset:slot.end].reshape(slot.shape)
-        old = grad_of(p, use_main_grad)
-        if old is not None and old.size == view.size:
-            view[...] = old.reshape(slot.shape)
-        set_grad(p, use_main_grad, view)
+def slot_view(buffer: Any, slot: Slot) -> Any:
+    """A param-shaped view of ``slot`` in a flat buffer."""
+    return buffer[slot.offset:slot.end].reshape(slot.shape)
+
+
+def adopt_data(param: Param, view: Any, copy: bool) -> None:
+    """Make ``param.data`` the view (copying its values in first when ``copy``)."""
+    if copy:
+        view[...] = param.data
+    param.data = view
+
+
+def adopt_grad(param: Param, use_main_grad: bool, view: Any) -> None:
+    """Make the param's grad (or main_grad) the view, keeping any value it already had."""
+    old = grad_of(param, use_main_grad)
+    if old is not None and old.size == view.size:
+        view[...] = old.reshape(view.shape)
+    set_grad(param, use_main_grad, view)
 
 
 def flatten_dense_tensors(
@@ -89,11 +93,12 @@ def flatten_dense_tensors(
     outputs = ()
     if fuse_param:
         param_buffer = backend.zeros(layout.numel, layout.dtype, like)
-        _share_params(parameters, layout, param_buffer)
+        for p in parameters:
+            adopt_data(p, slot_view(param_buffer, layout[p.name]), copy=True)
         outputs = (param_buffer,)
-    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
-    grad_buffer = backend.zeros(layout.numel, grad_dtype, like)
-    _link_grads(parameters, layout, grad_buffer, use_main_grad)
+    grad_buffer = backend.zeros(layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
+    for p in parameters:
+        adopt_grad(p, use_main_grad, slot_view(grad_buffer, layout[p.name]))
     return outputs + (grad_buffer,)
 
 
@@ -124,20 +129,14 @@ class ShardingGradView:
         self.grad_buffer = grad_buffer
         self.slice_grad = (grad_buffer[self.param_begin:self.param_end]
                            if self.has_effective_slice_param else None)
-        view = grad_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
+        view = slot_view(grad_buffer, self.slot)
         if link_param:
-            old = grad_of(self.param, self._use_main_grad)
-            if old is not None and old.size == view.size:
-                view[...] = old.reshape(view.shape)
-            set_grad(self.param, self._use_main_grad, view)
+            adopt_grad(self.param, self._use_main_grad, view)
         return view
 
     def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
         self._param_buffer = param_buffer
-        view = param_buffer[self.slot.offset:self.slot.end].reshape(self.slot.shape)
-        if copy:
-            view[...] = self.param.data
-        self.param.data = view
+        adopt_data(self.param, slot_view(param_buffer, self.slot), copy)
 
     def fill_slice_param(self, slice_param: Param) -> None:
         """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""
@@ -189,8 +188,8 @@ def build_reduce_scatter_buffer(
                                   f"'{p.name}' (it has a slice on this rank)")
     like = parameters[0].data
     param_buffer = backend.zeros(layout.numel, layout.dtype, like)
-    grad_dtype = float32 if use_main_grad else as_dtype(layout.dtype)
-    grad_buffer = None if release_grad else backend.zeros(layout.numel, grad_dtype, like)
+    grad_buffer = None if release_grad else backend.zeros(
+        layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
     views = {}
     for p in parameters:
         view = ShardingGradView(p, layout, rank, param_buffer, grad_buffer,
