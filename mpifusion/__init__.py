@@ -3,23 +3,49 @@
 Params and grads live in flat, 256-byte-aligned buffers grouped by size; grads are reduced
 with non-blocking MPI collectives (all-reduce, reduce, reduce-scatter) and sharded params are
 all-gathered back. Backward hooks are emulated by explicit ``add_grad`` calls.
+
+Layers (each imports only the ones above it): ``errors``/``dtypes``/``config``; ``plan``
+(pure layout and grouping); ``arrays`` (numpy/cupy, DLPack); ``comm`` (every MPI call);
+``runtime`` (Param, buffers, fused_parameters); ``spec``/``presets``/``oracle`` (model
+descriptions and the float64 reference); ``tools`` (the command line). Public names are
+imported lazily, so planning and checking never initialise MPI.
 """
-from .buffer import HOOK_ACTION, FusedCommBuffer, HookAction
-from .storage import ShardingGradView, build_reduce_scatter_buffer, flatten_dense_tensors
-from .comm import CommTask
-from .errors import (AgreementError, CheckInError, CommError, CommTimeoutError, FusionError,
-                     GradError, LayoutError, NanInfError)
-from .fusion import assign_group_by_size, filter_params, fused_parameters, obtain_storage
-from .layout import get_group_size
-from .backend import to_torch
-from .param import Param
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Param", "to_torch", "FusedCommBuffer", "HookAction", "HOOK_ACTION", "ShardingGradView", "CommTask",
-    "fused_parameters", "obtain_storage", "filter_params", "assign_group_by_size",
-    "get_group_size", "flatten_dense_tensors", "build_reduce_scatter_buffer",
-    "FusionError", "LayoutError", "AgreementError", "GradError", "CheckInError", "CommError",
-    "CommTimeoutError", "NanInfError",
-]
+#: public name -> module that defines it
+_PUBLIC = {
+    "Param": "runtime.param",
+    "FusedCommBuffer": "runtime.buffer", "HookAction": "runtime.buffer",
+    "HOOK_ACTION": "runtime.buffer",
+    "ShardingGradView": "runtime.storage", "flatten_dense_tensors": "runtime.storage",
+    "build_reduce_scatter_buffer": "runtime.storage",
+    "fused_parameters": "runtime.fusion", "obtain_storage": "runtime.fusion",
+    "filter_params": "runtime.fusion", "assign_group_by_size": "runtime.fusion",
+    "CommTask": "comm.task",
+    "get_group_size": "plan.layout",
+    "to_torch": "arrays.backend",
+    "CommOptions": "config",
+    "FusionError": "errors", "LayoutError": "errors", "AgreementError": "errors",
+    "GradError": "errors", "CheckInError": "errors", "CommError": "errors",
+    "CommTimeoutError": "errors", "NanInfError": "errors", "OptionError": "errors",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpifusion' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

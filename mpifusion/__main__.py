@@ -1,7 +1,7 @@
 """``python -m mpifusion``: the same command as ``mpifusion``."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,6 +10,10 @@ class LayoutError(FusionError, ValueError):
     """Params that cannot be fused as asked (mixed dtypes, duplicate names, bad options)."""
 
 
+class OptionError(FusionError, ValueError):
+    """An option or environment setting with a value it cannot take (names which, and why)."""
+
+
 class AgreementError(LayoutError):
     """Ranks tried to build different buffers (params, order, shapes, dtypes or options)."""
 

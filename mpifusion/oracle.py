@@ -255,16 +255,14 @@ class CheckReport:
 def check_dump(spec: Any, directory: str) -> CheckReport:
     """Check another implementation's dump (README, "Checking another implementation")
     against the float64 reference recomputed from its own inputs."""
-    from .report import fused_params_of, plan_buffers  # report imports the MPI-side core
-
     nranks = spec.nranks
     if nranks is None:
         raise DumpError("nranks: required by check (the number of rank files to read)")
     act, acc = spec.act, spec.acc_steps
-    params = fused_params_of(spec)
+    params = spec.fused_params()
     slots = {}
     if act == "reduce_scatter":
-        for buf in plan_buffers(spec, nranks=nranks):
+        for buf in spec.plan(nranks):
             for p in buf.params:
                 slots[p.name] = buf.layout
     paths = _rank_files(directory, nranks)

@@ -236,6 +236,20 @@ class Spec:
         defaults = {"use_main_grad": params[0]["dtype"] != "float32"}
         return cls.from_dict({"params": params, **defaults, **overrides}, source=f"preset {name}")
 
+    def fused_params(self) -> list:
+        """The params that are fused: Paddle fuses trainable params only."""
+        return [p for p in self.params if p.trainable]
+
+    def plan(self, nranks: int | None = None) -> list:
+        """Every buffer a job with this spec builds (``fused_parameters``'s order), planned
+        without MPI; ``nranks`` defaults to the spec's."""
+        from .plan.grouping import plan_model
+
+        return plan_model(self.fused_params(), act=self.act, group_size=self.group_size,
+                          use_main_grad=self.use_main_grad,
+                          nranks=self.nranks if nranks is None else nranks,
+                          is_decay=lambda p: p.decay)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict with every field explicit, so a dumped spec reloads identically."""
         out: dict[str, Any] = {"params": [p.to_dict() for p in self.params]}

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 PYTHON=${PYTHON:-python3}
 MPIEXEC=${MPIEXEC:-mpiexec}
-"$PYTHON" -c "from mpifusion import cuda; assert cuda.gpu_available(), 'no cupy GPU'; \
+"$PYTHON" -c "from mpifusion.arrays import cuda; assert cuda.gpu_available(), 'no cupy GPU'; \
 print('CUDA-aware MPI:', cuda.query_cuda_aware())"
 TESTS="tests/test_backends.py tests/test_memory.py tests/test_dlpack.py"
 echo "=== GPU tests, serial"
@@ -22,7 +22,8 @@ cat > "$BENCH" <<'PY'
 import os, time
 import cupy as cp
 from mpi4py import MPI
-from mpifusion import FusedCommBuffer, Param, cuda
+from mpifusion import FusedCommBuffer, Param
+from mpifusion.arrays import cuda
 
 comm = MPI.COMM_WORLD
 cp.cuda.Device(comm.Get_rank() % cp.cuda.runtime.getDeviceCount()).use()

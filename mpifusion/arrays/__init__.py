@@ -1,0 +1,1 @@
+"""Array backends: numpy/cupy operations, DLPack in and out, CUDA staging."""

@@ -1,0 +1,168 @@
+"""Options as frozen objects; the environment is read here and nowhere else.
+
+Library code takes options as arguments (``CommOptions`` for how collectives run,
+``FusedCommBuffer``'s keywords for what a buffer does). Environment variables are only the
+documented *defaults* of those arguments, resolved once by :meth:`CommOptions.from_env`, so
+the CLI and the benchmark pass options explicitly instead of editing ``os.environ``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
+
+from .errors import OptionError
+
+STRATEGY_ENV = "MPIFUSION_COMM_STRATEGY"
+SEGMENT_ENV = "MPIFUSION_SEGMENT_BYTES"
+TIMEOUT_ENV = "MPIFUSION_TIMEOUT"
+AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
+#: NaN/Inf check before communication; Paddle's flag name works too.
+NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
+CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
+
+STRATEGIES = ("thread", "nonblocking")
+#: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking``.
+DEFAULT_STRATEGY = "auto"
+#: 8 MiB: blocking segments of 4-16 MiB reached the best raw speed here (BENCHMARKS.md);
+#: smaller ones pay per-call latency, larger ones fall out of cache.
+DEFAULT_SEGMENT_BYTES = 8 << 20
+#: Deadlines longer than this (about 31 years) mean "no deadline": waits take float seconds
+#: and threading/time functions overflow on huge values.
+MAX_TIMEOUT = 1e9
+
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f", "")
+
+
+def parse_bool(value: Any, what: str) -> bool:
+    """One rule for boolean switches, from the environment or an argument."""
+    if isinstance(value, bool):
+        return value
+    key = str(value).strip().lower()
+    if key in _TRUE:
+        return True
+    if key in _FALSE:
+        return False
+    raise OptionError(f"{what}: expected a boolean (1/0, true/false, yes/no, on/off), "
+                      f"got {value!r}")
+
+
+def parse_strategy(value: Any, what: str = "strategy") -> str:
+    key = str(value).strip().lower().replace("_", "").replace("-", "")
+    key = {"nb": "nonblocking", "plain": "nonblocking", "threaded": "thread"}.get(key, key)
+    if key not in STRATEGIES + ("auto",):
+        raise OptionError(f"{what}: expected one of {', '.join(STRATEGIES)} or auto, "
+                          f"got {value!r}")
+    return key
+
+
+def parse_segment_bytes(value: Any, what: str = "segment_bytes") -> int:
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise OptionError(f"{what}: expected a number of bytes, got {value!r}") from None
+        if not math.isfinite(number) or number != int(number):
+            raise OptionError(f"{what}: expected an int >= 0 (0: no segments), got {value!r}")
+        value = int(number)
+    if (isinstance(value, bool) or not isinstance(value, int) or value < 0
+            or value > (1 << 62)):
+        raise OptionError(f"{what}: expected an int >= 0 (0: no segments), got {value!r}")
+    return int(value)
+
+
+def parse_timeout(value: Any, what: str = "timeout") -> Optional[float]:
+    """Seconds, strictly: ``None``/``inf``/anything above :data:`MAX_TIMEOUT` mean no
+    deadline; NaN, zero, negatives and non-numbers are refused (they are typos, not intent)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise OptionError(f"{what}: expected a number of seconds > 0 (or inf for no "
+                              f"deadline), got {text!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionError(f"{what}: expected a number of seconds > 0, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float: certainly "forever"
+        return None
+    if math.isnan(seconds) or seconds <= 0:
+        raise OptionError(f"{what}: expected a number of seconds > 0 (or inf for no "
+                          f"deadline), got {value!r}")
+    return None if seconds > MAX_TIMEOUT else seconds
+
+
+def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """``$MPIFUSION_CUDA_AWARE`` forced on/off, or None (ask the MPI library)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(CUDA_AWARE_ENV, "").strip()
+    return parse_bool(value, CUDA_AWARE_ENV) if value else None
+
+
+def naninf_check_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return any(parse_bool(environ.get(k, ""), k) for k in NANINF_ENV)
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How a buffer's collectives run (the same on every rank: checked at construction).
+
+    ``strategy``: ``"thread"`` (blocking collectives in segments on a communication thread),
+    ``"nonblocking"`` (Iallreduce/Ireduce/... from the caller) or ``"auto"`` (``thread``
+    where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``segment_bytes``: size
+    of the pieces a buffer is reduced in; ``None`` takes the strategy's default, 0 means one
+    piece. ``timeout``: seconds any wait may take (``None``: forever). ``check_agreement``:
+    compare what every rank builds at construction.
+    """
+
+    strategy: str = DEFAULT_STRATEGY
+    segment_bytes: Optional[int] = None
+    timeout: Optional[float] = None
+    check_agreement: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", parse_strategy(self.strategy))
+        if self.segment_bytes is not None:
+            object.__setattr__(self, "segment_bytes", parse_segment_bytes(self.segment_bytes))
+        object.__setattr__(self, "timeout", parse_timeout(self.timeout))
+        object.__setattr__(self, "check_agreement",
+                           parse_bool(self.check_agreement, "check_agreement"))
+
+    @property
+    def segment(self) -> int:
+        """Segment size in bytes after defaults (0: one segment per buffer)."""
+        if self.segment_bytes is not None:
+            return self.segment_bytes
+        return 0 if self.strategy == "nonblocking" else DEFAULT_SEGMENT_BYTES
+
+    def with_(self, **changes: Any) -> "CommOptions":
+        """A copy with some fields changed (``None`` values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None,
+                 **overrides: Any) -> "CommOptions":
+        """The documented defaults from the environment, then explicit ``overrides``
+        (arguments beat the environment; ``None`` overrides are ignored)."""
+        environ = os.environ if environ is None else environ
+        fields: dict = {}
+        value = environ.get(STRATEGY_ENV, "").strip()
+        if value:
+            fields["strategy"] = parse_strategy(value, STRATEGY_ENV)
+        value = environ.get(SEGMENT_ENV, "").strip()
+        if value:
+            fields["segment_bytes"] = parse_segment_bytes(value, SEGMENT_ENV)
+        fields["timeout"] = parse_timeout(environ.get(TIMEOUT_ENV), TIMEOUT_ENV)
+        value = environ.get(AGREEMENT_ENV, "").strip()
+        if value:
+            fields["check_agreement"] = parse_bool(value, AGREEMENT_ENV)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)

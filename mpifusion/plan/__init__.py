@@ -1,0 +1,1 @@
+"""Pure planning: layouts and grouping, no MPI and no arrays (runs anywhere, instantly)."""

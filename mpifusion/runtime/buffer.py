@@ -1,0 +1,724 @@
+"""Fused buffers: params and grads in flat arrays, reduced over MPI in one collective.
+
+State machine of a ``FusedCommBuffer`` (README, "State machine", says the same):
+
+* Check-in counters, per step: every ``add_grad(param)`` counts one micro-step for that
+  param; at ``acc_steps`` the param is *checked in* (``checked_in`` of ``len(params)``).
+  ``mark_unused(param)`` checks a param in at once with zero gradient for its remaining
+  micro-steps. A further ``add_grad`` of a checked-in param is a ``GradError``.
+* When all are checked in (and ``use_comm``), ``comm_grads`` starts the collective and holds
+  a ``CommTask``; ``comm_grads``/``scale_grads`` with params missing raise ``CheckInError``
+  naming them. ``scale_grads`` waits (within ``timeout``), scales, and resets the counters
+  (step + 1). On ``CommTimeoutError`` the task stays: ``wait()`` again keeps waiting.
+* ``reset()`` sets the counters back to zero and keeps the grads (``zero_grads=True`` zeroes
+  them); with a collective still pending it needs ``abandon=True`` (MPI cannot cancel one).
+* ``status`` tracks the *param* buffer of a reduce-scatter buffer: READY (full params
+  valid), SHARDED (only this rank's shard is valid, after ``clear``/``reset_param_storage``),
+  SYNCING (``sync_params`` in flight; READY again when its task completes).
+
+Every check that can fail runs before anything is changed, so an error leaves grads,
+counters and buffers as they were. Before anything is allocated, the ranks of comm_group
+check in one tiny collective that they build the same buffer (``health.check_agreement``).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import weakref
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+from mpi4py import MPI
+
+from ..arrays import backend
+from ..comm import CommTask, Communicator
+from ..config import CommOptions, naninf_check_from_env, parse_bool
+from ..dtypes import as_dtype
+from ..comm import health
+from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
+                     NanInfError)
+from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
+from ..plan.grouping import grad_dtype_for
+from .param import Param
+from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
+                      plan_or_raise, set_grad, slot_view, world_rank)
+
+logger = logging.getLogger("mpifusion")
+
+class HookAction(enum.IntEnum):
+    """What a buffer does with its grads once all params checked in."""
+
+    ALL_REDUCE = 0
+    REDUCE = 1
+    REDUCE_SCATTER = 2
+
+    @classmethod
+    def parse(cls, value: Any) -> "HookAction":
+        if isinstance(value, str):
+            key = value.strip().upper().replace("-", "_")
+            key = {"ALLREDUCE": "ALL_REDUCE", "REDUCESCATTER": "REDUCE_SCATTER"}.get(key, key)
+            if key in cls.__members__:
+                return cls[key]
+        elif value is not None and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                pass
+        raise LayoutError(f"act: expected HookAction.ALL_REDUCE, REDUCE or REDUCE_SCATTER "
+                          f"(or 'all_reduce', 'reduce', 'reduce_scatter'), got {value!r}")
+
+
+#: Paddle's name for the same enum.
+HOOK_ACTION = HookAction
+
+
+class FusedCommBuffer:
+    """A group of same-dtype params whose grads are reduced together (Paddle's FusedCommBuffer).
+
+    ``comm_group`` is an mpi4py communicator; the buffer talks on a private duplicate of it.
+    ``timeout`` (seconds, default ``$MPIFUSION_TIMEOUT``, unset = forever) bounds every wait.
+    """
+
+    class Status(enum.Enum):
+        SHARDED = enum.auto()   # only this rank's shard of the params is valid
+        SYNCING = enum.auto()   # sync_params is in flight
+        READY = enum.auto()     # full params valid
+
+    def __init__(
+        self,
+        id: int,
+        params: Sequence[Param],
+        comm_group: Optional[MPI.Comm],
+        acc_steps: int = 1,
+        act: Any = None,
+        dst: int = -1,
+        use_main_grad: Optional[bool] = None,
+        fuse_param: bool = False,
+        scale_after_comm: bool = True,
+        release_grads: bool = False,
+        use_reduce_avg: bool = False,
+        free_grads_in_comm: bool = False,
+        init_slice_param: bool = False,
+        slice_params: Optional[dict] = None,
+        timeout: Optional[float] = None,
+        comm_options: Optional[CommOptions] = None,
+        check_naninf: Optional[bool] = None,
+    ) -> None:
+        self._id = id
+        self._params = list(params)
+        if comm_options is None:
+            comm_options = CommOptions.from_env()
+        if timeout is not None:
+            comm_options = replace(comm_options, timeout=timeout)  # parsed again: inf -> None
+        deadline = comm_options.timeout
+        self._naninf_check = (naninf_check_from_env() if check_naninf is None
+                              else parse_bool(check_naninf, "check_naninf"))
+        comm = None if comm_group is None else Communicator(comm_group, comm_options)
+        rank = comm.rank if comm is not None else world_rank()
+        self._rank = rank
+        where = f"rank {rank}: buffer {id}"
+        if not self._params:
+            raise LayoutError(f"{where}: params: expected at least one Param, got none")
+        for p in self._params:
+            if not isinstance(p, Param):
+                raise LayoutError(f"{where}: params: expected mpifusion.Param objects, "
+                                  f"got {type(p).__name__}")
+        if isinstance(acc_steps, bool) or int(acc_steps) != acc_steps or acc_steps < 1:
+            raise LayoutError(f"{where}: acc_steps: expected an int >= 1, got {acc_steps!r}")
+        try:
+            act = HookAction.parse(act)
+        except LayoutError as exc:
+            raise LayoutError(f"{where}: {exc}") from None
+        if free_grads_in_comm:
+            if acc_steps != 1:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected acc_steps == 1, "
+                                  f"got acc_steps={acc_steps}")
+            if act != HookAction.REDUCE_SCATTER:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected act=REDUCE_SCATTER, "
+                                  f"got {act.name}")
+            if not release_grads:
+                raise LayoutError(f"{where}: free_grads_in_comm: expected release_grads=True")
+        if fuse_param and release_grads:
+            raise LayoutError(f"{where}: fuse_param and release_grads: expected at most one "
+                              f"of them to be True")
+        if fuse_param and act == HookAction.REDUCE_SCATTER:
+            raise LayoutError(f"{where}: fuse_param: not supported with REDUCE_SCATTER "
+                              f"(its params are always fused)")
+        nranks = comm.size if comm is not None else 1
+        if act == HookAction.REDUCE:
+            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < nranks:
+                raise LayoutError(f"{where}: dst: REDUCE expected the root's rank in "
+                                  f"[0, {nranks}) of comm_group, got {dst!r}")
+        elif dst != -1:
+            raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {dst!r}")
+        if act == HookAction.REDUCE_SCATTER and comm is None:
+            raise LayoutError(f"{where}: comm_group: REDUCE_SCATTER needs a communicator "
+                              f"to plan its shards, got None")
+
+        self._comm = comm
+        self._act = act
+        self._dst = dst
+        self._acc_steps = int(acc_steps)
+        self._scale_after_comm = bool(scale_after_comm)
+        self._fuse_param = bool(fuse_param)
+        self._release_grads = bool(release_grads)
+        self._use_reduce_avg = bool(use_reduce_avg)
+        self._free_grads_in_comm = bool(free_grads_in_comm)
+        self.timeout = deadline
+        self.use_main_grad = (self._params[0].main_grad is not None
+                              if use_main_grad is None else bool(use_main_grad))
+        self.status = FusedCommBuffer.Status.READY
+        self.sync_param_task: Optional[CommTask] = None
+        self._task: Optional[CommTask] = None
+        self._logged_stop_gradient = False
+        self._step = 0
+        self._tracker: Optional[health.StartTracker] = None
+        self._key = -1      # this buffer's index on its communicator (construction order)
+        self._seq = 0       # collectives this buffer started (0 = the agreement check)
+        self._task_seq = 0
+        self._abandoned: list = []      # timed-out tasks given up by reset(abandon=True)
+        self._pre_comm_grads = None     # free_grads_in_comm: the full grads while in flight
+        self._grads_are_shard = False   # grad_storage is a reduce-scattered shard
+        if comm is not None and comm.size > 1:
+            self._tracker = health.tracker_for(comm.comm)
+            self._key = self._tracker.register()
+            if comm.options.check_agreement:
+                health.check_agreement(comm.comm, self._agreement_entries(), self._where(),
+                                       self.timeout, self._announcer(), self._key)
+
+        self.param_storage = None
+        self.grad_storage = None
+        self._sharding_param_grad_view: dict = {}
+        if act == HookAction.REDUCE_SCATTER:
+            (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
+             self.grad_storage, _) = build_reduce_scatter_buffer(
+                self._params, nranks, rank, use_main_grad=self.use_main_grad,
+                release_grad=self._release_grads, init_slice_param=init_slice_param,
+                slice_params=slice_params)
+            self.layout = plan_sharded(self._params, nranks)
+            self._params[0].comm_buffer_ref = weakref.ref(self)
+        else:
+            check_trainable(self._params, rank)
+            self.layout = plan_or_raise(plan_flat, self._params, rank=rank)
+            self.buffer_size = self.layout.numel
+            if self._fuse_param:
+                self.param_storage, self.grad_storage = flatten_dense_tensors(
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=True)
+            elif not self._release_grads:
+                (self.grad_storage,) = flatten_dense_tensors(
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=False)
+        self.param2offset = self.layout.param2offset
+        self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
+        self._by_name = {p.name: p for p in self._params}
+        self._steps = dict.fromkeys(self._by_name, 0)
+        self._checked_in = 0
+        # the grad (or main_grad) array each param must still have at its next add_grad: the
+        # view into the grad buffer (kept as the array, so the hot path is an identity check)
+        self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def params(self) -> list:
+        return self._params
+
+    @property
+    def act(self) -> HookAction:
+        return self._act
+
+    @property
+    def grad_dtype(self) -> Any:
+        """dtype of the grad buffer (fp32 with use_main_grad, else the params' dtype)."""
+        return self._grad_dtype
+
+    @property
+    def acc_steps(self) -> int:
+        return self._acc_steps
+
+    @property
+    def dst(self) -> int:
+        return self._dst
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def nranks(self) -> int:
+        return self._comm.size if self._comm is not None else 1
+
+    @property
+    def comm(self) -> Optional[Communicator]:
+        return self._comm
+
+    @property
+    def checked_in(self) -> int:
+        """Params that finished all ``acc_steps`` micro-steps this step."""
+        return self._checked_in
+
+    @property
+    def task(self) -> Optional[CommTask]:
+        return self._task
+
+    @property
+    def param_buffer_ipc_meta(self) -> Any:
+        """CUDA IPC handle of a reduce-scatter param buffer (None on the host)."""
+        if self._act != HookAction.REDUCE_SCATTER or self.param_storage is None:
+            return None
+        return backend.ipc_handle(self.param_storage)
+
+    def missing_params(self) -> list:
+        return [name for name, n in self._steps.items() if n < self._acc_steps]
+
+    def _where(self) -> str:
+        return f"rank {self._rank}: buffer {self._id}"
+
+    # ------------------------------------------------------------------ health (see health.py)
+    def _agreement_entries(self) -> list:
+        """What every rank of comm_group must agree on before any collective of this buffer."""
+        options = {
+            "id": self._id, "act": self._act.name, "acc_steps": self._acc_steps,
+            "dst": self._dst, "alignment_bytes": ALIGNMENT_BYTES,
+            "use_main_grad": self.use_main_grad, "fuse_param": self._fuse_param,
+            "release_grads": self._release_grads, "scale_after_comm": self._scale_after_comm,
+            "use_reduce_avg": self._use_reduce_avg,
+            "free_grads_in_comm": self._free_grads_in_comm,
+            # start announcements are only sent with a deadline, so all ranks need one or none
+            "timeout set": self.timeout is not None,
+            "strategy": self._comm.strategy if self._comm is not None else None,
+            "segment_bytes": self._comm.segment_bytes if self._comm is not None else None,
+            "check_naninf": self._naninf_check,
+        }
+        return health.describe(self._params, options)
+
+    def _announcer(self) -> Optional[health.StartTracker]:
+        return self._tracker if self.timeout is not None else None
+
+    def _start_collective(self) -> int:
+        """Count (and, with a deadline, announce) a collective this rank is about to start."""
+        self._seq += 1
+        tracker = self._announcer()
+        if tracker is not None:
+            tracker.announce(self._key, self._seq)
+        return self._seq
+
+    def _late_ranks(self, seq: int) -> str:
+        tracker = self._announcer()
+        return tracker.late_ranks_text(self._key, seq) if tracker is not None else ""
+
+    def _checked_in_text(self) -> str:
+        missing = self.missing_params()
+        text = f"{self._checked_in}/{len(self._params)} params checked in"
+        if missing:
+            text += f": missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+        return text
+
+    def _wait_task(self, task: CommTask, what: str, seq: int) -> None:
+        """Wait for ``task`` within the deadline; on expiry say what, where and who is late.
+
+        The task stays in place on a timeout: calling the same method again keeps waiting.
+        """
+        try:
+            task.wait(self.timeout)
+        except CommTimeoutError:
+            raise CommTimeoutError(
+                f"{self._where()}: {what} (step {self._step}, action {self._act.name}) did not "
+                f"complete within {self.timeout:g} s; {self._checked_in_text()} on this rank"
+                f"{self._late_ranks(seq)}. The collective is still pending: call wait() to "
+                f"keep waiting, or let the error abort the job (run under python -m mpi4py)"
+                ) from None
+        except MPI.Exception as exc:
+            raise CommError(f"{self._where()}: {what} (step {self._step}, action "
+                            f"{self._act.name}) failed in MPI: {exc}") from None
+
+    def __repr__(self) -> str:
+        return (f"FusedCommBuffer(id={self._id}, act={self._act.name}, params={len(self._params)}, "
+                f"dtype={self.layout.dtype}, grad_dtype={self._grad_dtype.name}, "
+                f"numel={self.buffer_size}, nranks={self.nranks})")
+
+    # ------------------------------------------------------------------ backward
+    def add_grad(self, param: Param, use_comm: bool = True, grad: Any = None) -> None:
+        """Check ``param`` in for one micro-step; at the last one of the last param, start comm.
+
+        ``grad`` (any DLPack tensor) is accumulated into the param's grad view first, as a
+        backward pass would; without it, whatever backward wrote into the view is used.
+        """
+        name = param.name
+        steps = self._steps_of(param)
+        if steps >= self._acc_steps:
+            raise GradError(f"{self._where()}: param '{name}': already checked in "
+                            f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
+                            f"scale_grads() before its next add_grad")
+        if grad is not None:
+            grad = self._check_grad(param, grad)
+        if steps or not self._release_grads:
+            view = param.main_grad if self.use_main_grad else param.grad
+            if view is not self._grad_view[name]:
+                self._check_grad_moved(param, view)
+            if view is None:
+                raise GradError(f"{self._where()}: param '{name}': no grad buffer to accumulate "
+                                f"into (cleared by clear_grad_storage); expected "
+                                f"release_grads=True for that")
+            if grad is not None:
+                view += grad
+        else:
+            self._check_own_grad(param)
+            self._copy_grad_to_buffer(param, grad)
+        steps += 1
+        self._steps[name] = steps
+        if self._comm is not None:
+            self._comm.poll()
+        if steps == self._acc_steps:
+            self._checked_in += 1
+            if use_comm and self._checked_in == len(self._params):
+                self.comm_grads()
+
+    def mark_unused(self, *params: Param, use_comm: bool = True) -> None:
+        """Check in params that get no gradient this step (Paddle PR 72688's unused params).
+
+        Each param's remaining micro-steps of this step count as zero gradient: a param with
+        no ``add_grad`` yet this step has its grad slot zeroed (it contributes exactly zero
+        to the reduction); one with some keeps what it accumulated. When this checks in the
+        last param, communication starts as in ``add_grad``. All params are validated first.
+        """
+        names = []
+        for param in params:
+            name = getattr(param, "name", None)
+            steps = self._steps_of(param)
+            if steps >= self._acc_steps or name in names:
+                raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
+                                f"checked in this step (acc_steps={self._acc_steps}); "
+                                f"expected scale_grads() first")
+            if self._release_grads and steps == 0:
+                self._check_own_grad(param)
+            names.append(name)
+        if self.grad_storage is None and not self._release_grads:
+            raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
+                            f"(clear_grad_storage); expected release_grads=True for that")
+        for param in params:
+            if self._steps[param.name] == 0:
+                if self._release_grads:
+                    self._copy_grad_to_buffer(param, None)
+                slot = self.layout[param.name]
+                self.grad_storage[slot.offset:slot.end] = 0
+            self._steps[param.name] = self._acc_steps
+            self._checked_in += 1
+        if self._comm is not None:
+            self._comm.poll()
+        if use_comm and names and self._checked_in == len(self._params):
+            self.comm_grads()
+
+    def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
+        """Start the step afresh after an error: counters to zero, grads kept (or zeroed).
+
+        A collective still in flight (after ``CommTimeoutError``) is refused unless
+        ``abandon=True``: MPI cannot cancel a collective, so the abandoned one stays
+        pending -- its arrays are kept alive here, and if the late ranks ever join it,
+        MPI finishes it into the buffer. With ``free_grads_in_comm`` the full grad buffer
+        comes back. Collectives on a communicator with an abandoned one no longer line up
+        across ranks: after a timeout the safe course is to save what you need and abort.
+        """
+        task = self._task
+        pending = False
+        if task is not None:
+            try:
+                pending = not task.is_completed()
+            except MPI.Exception:
+                pending = True
+        if pending and not abandon:
+            raise CommError(f"{self._where()}: reset: grad communication is still in flight "
+                            f"({self._checked_in_text()}); expected wait() first, or "
+                            f"reset(abandon=True) to give it up")
+        if pending:
+            self._abandoned.append(task)
+            logger.warning("%s: abandoned a pending collective (step %d); further collectives "
+                           "on this communicator may not line up across ranks", self._where(),
+                           self._step)
+            if self._pre_comm_grads is not None:
+                self.grad_storage = self._pre_comm_grads
+                self._grads_are_shard = False
+                for view in self._sharding_param_grad_view.values():
+                    view.attach_grad_buffer(self.grad_storage, link_param=False)
+        self._pre_comm_grads = None
+        self._task = None
+        for name in self._steps:
+            self._steps[name] = 0
+        self._checked_in = 0
+        if zero_grads and self.grad_storage is not None:
+            self.grad_storage[...] = 0
+
+    def _steps_of(self, param: Param) -> int:
+        """Micro-steps ``param`` has this step; raises unless it is a param of this buffer."""
+        name = getattr(param, "name", None)
+        steps = self._steps.get(name)
+        if steps is None or self._by_name[name] is not param:
+            held = ", ".join(list(self._by_name)[:5]) + (", ..." if len(self._params) > 5 else "")
+            raise GradError(f"{self._where()}: param '{name}': not a param of this buffer "
+                            f"(it holds {len(self._params)} params: {held})")
+        return steps
+
+    def _check_grad(self, param: Param, grad: Any) -> Any:
+        try:
+            g = backend.asarray(grad)
+        except (TypeError, BufferError, RuntimeError) as exc:
+            raise GradError(f"{self._where()}: param '{param.name}': grad: {exc}") from None
+        if tuple(g.shape) != param.shape:
+            raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
+                            f"{param.shape}, got {tuple(g.shape)}")
+        if g.dtype != self._grad_dtype and g.dtype != as_dtype(param.dtype):
+            raise GradError(f"{self._where()}: param '{param.name}': grad dtype expected "
+                            f"{self._grad_dtype.name}, got {g.dtype}")
+        if backend.device_of(g) != param.device:
+            raise GradError(f"{self._where()}: param '{param.name}': grad device expected "
+                            f"{param.device}, got {backend.device_of(g)}")
+        return g
+
+    def _check_grad_moved(self, param: Param, view: Any) -> None:
+        """Raise if ``view`` (the param's grad now) is not at the address it was fused at."""
+        if backend.data_ptr(view) != backend.data_ptr(self._grad_view[param.name]):
+            raise GradError(
+                f"{self._where()}: param '{param.name}': the address of its "
+                f"{'main_grad' if self.use_main_grad else 'grad'} changed since it was fused "
+                f"(expected the view into the grad buffer). Accumulate in place "
+                f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+
+    def _check_own_grad(self, param: Param) -> None:
+        """release_grads: the param's own grad must fit its slot before anything is moved."""
+        own = grad_of(param, self.use_main_grad)
+        if own is not None:
+            self._check_grad(param, own)
+
+    def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
+        """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
+        if self.grad_storage is None or self._grads_are_shard:
+            # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
+            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, param.data)
+            self._grads_are_shard = False
+        link = not self._free_grads_in_comm
+        if self._act == HookAction.REDUCE_SCATTER:
+            view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
+                self.grad_storage, link_param=False)
+        else:
+            view = slot_view(self.grad_storage, self.layout[param.name])
+        own = grad_of(param, self.use_main_grad)
+        # a grad still viewing this very slot (grad buffer kept from the last step) is
+        # already in it: adding it again would count it twice
+        if own is not None and backend.data_ptr(own) != backend.data_ptr(view):
+            view += own.reshape(view.shape)
+        if grad is not None:
+            view += grad
+        set_grad(param, self.use_main_grad, view if link else None)
+        self._grad_view[param.name] = view if link else None
+
+    # ------------------------------------------------------------------ communication
+    def need_reduce_scale_sync(self) -> bool:
+        """False when every param has stop_gradient: then comm, scaling and sync are skipped."""
+        flags = [p.stop_gradient for p in self._params]
+        if all(flags):
+            return False
+        if any(flags) and not self._logged_stop_gradient:
+            logger.info("%s: some params have stop_gradient=True; their grads are still "
+                        "communicated", self._where())
+            self._logged_stop_gradient = True
+        return True
+
+    def comm_grads(self) -> None:
+        """Start reducing the grad buffer; every param must have checked in."""
+        if self._checked_in != len(self._params):
+            raise CheckInError(
+                f"{self._where()}: step {self._step}: {self._checked_in_text()} (expected "
+                f"{self._acc_steps} add_grad per param; mark_unused(param) checks in a param "
+                f"that gets no gradient this step)")
+        self._comm_grads()
+
+    def _comm_grads(self) -> None:
+        if not self.need_reduce_scale_sync():
+            return
+        if self._task is not None:
+            raise CommError(f"{self._where()}: comm_grads: communication already started this "
+                            f"step; expected scale_grads() first")
+        if self._comm is None:
+            raise CommError(f"{self._where()}: comm_grads: the buffer was built without a "
+                            f"comm_group, so it cannot communicate")
+        if self._naninf_check:
+            self._check_naninf()
+        n = self._comm.size
+        if not self._scale_after_comm and not self._use_reduce_avg:
+            backend.scale_(self.grad_storage, 1.0 / n)
+        # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
+        # while it is still wide (fp32 for half buffers: one rounding) and in cache;
+        # scale_grads scales the regions that received no result (Paddle scales the whole buffer)
+        avg = 1.0 / n if (self._use_reduce_avg or self._scale_after_comm) else None
+        name = f"buffer {self._id} {self._act.name.lower()}"
+        self._task_seq = self._start_collective()
+        if self._act == HookAction.ALL_REDUCE:
+            self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name)
+        elif self._act == HookAction.REDUCE:
+            self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name)
+        else:
+            begin, end = self.layout.shard_range(self._comm.rank)
+            if self._free_grads_in_comm:
+                shard = backend.empty(end - begin, self.grad_storage.dtype, self.grad_storage)
+            else:
+                shard = self.grad_storage[begin:end]
+            self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name)
+            if self._free_grads_in_comm:
+                self._pre_comm_grads = self.grad_storage  # until the shard holds the result
+                self.reset_grad_storage(shard)
+
+    def _check_naninf(self) -> None:
+        bad = backend.nonfinite_count(self.grad_storage)
+        if not bad:
+            return
+        counts = []
+        for p in self._params:
+            g = grad_of(p, self.use_main_grad)
+            if g is not None:
+                c = backend.nonfinite_count(g)
+                if c:
+                    counts.append(f"{p.name} ({c} of {g.size})")
+        raise NanInfError(f"{self._where()}: step {self._step}: grad buffer holds {bad} NaN/Inf "
+                          f"value(s) before communication: {', '.join(counts) or 'in padding'}")
+
+    def scale_grads(self) -> None:
+        """Finish this step's communication, scale by 1/nranks if asked, reset the counters."""
+        if self.need_reduce_scale_sync():
+            if self._task is None:
+                if self.nranks == 1 and self._checked_in == len(self._params):
+                    self._reset_params_checked_in()
+                    return
+                if self._checked_in != len(self._params):
+                    self.comm_grads()  # raises, naming the missing params
+                raise CheckInError(f"{self._where()}: scale_grads: all params checked in but "
+                                   f"communication was not started (add_grad with "
+                                   f"use_comm=False needs an explicit comm_grads())")
+            self.wait()
+            if self._scale_after_comm and not self._use_reduce_avg:
+                for region in self._unreduced_regions():
+                    backend.scale_(region, 1.0 / self._comm.size)
+        self._reset_params_checked_in()
+
+    def _unreduced_regions(self) -> list:
+        """Parts of the grad buffer that kept local values (no reduced result landed there)."""
+        if self._act == HookAction.ALL_REDUCE:
+            return []
+        if self._act == HookAction.REDUCE:
+            return [] if self._comm.rank == self._dst else [self.grad_storage]
+        if self._grads_are_shard:  # free_grads_in_comm: only the (reduced) shard is left
+            return []
+        begin, end = self.layout.shard_range(self._comm.rank)
+        return [self.grad_storage[:begin], self.grad_storage[end:]]
+
+    def wait(self) -> None:
+        """Wait for this step's grad communication (within the buffer's timeout).
+
+        On ``CommTimeoutError`` the collective stays pending; calling again keeps waiting.
+        """
+        if self._task is not None:
+            self._wait_task(self._task, "grad communication", self._task_seq)
+            self._pre_comm_grads = None
+
+    def _reset_params_checked_in(self) -> None:
+        self._task = None
+        for name in self._steps:
+            self._steps[name] = 0
+        self._checked_in = 0
+        self._step += 1
+
+    # ------------------------------------------------------------------ reduce-scatter params
+    def _require_sharded(self, what: str) -> None:
+        if self._act != HookAction.REDUCE_SCATTER:
+            raise LayoutError(f"{self._where()}: {what}: expected a REDUCE_SCATTER buffer, "
+                              f"got {self._act.name}")
+
+    def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
+        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
+        self._require_sharded("assign_slice_grad")
+        view = self._sharding_param_grad_view.get(param.name)
+        if view is None:
+            raise GradError(f"{self._where()}: param '{param.name}': not a param of this buffer")
+        view.assign_slice_grad(slice_param)
+
+    def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
+        """All-gather every rank's shard of the param buffer back into the full buffer."""
+        if not self.need_reduce_scale_sync():
+            return None
+        self._require_sharded("sync_params")
+        if self.param_storage is None:
+            raise CommError(f"{self._where()}: sync_params: the param buffer was cleared; "
+                            f"expected reset_param_storage() first")
+        if param2task is not None:
+            taken = [p.name for p in self._params if p.name in param2task]
+            if taken:
+                raise CommError(f"{self._where()}: param2task: params already have a sync "
+                                f"task: {', '.join(taken)}")
+        if self.nranks == 1:
+            return None
+        seq = self._start_collective()
+        task = self._comm.allgather_inplace(self.param_storage,
+                                            name=f"buffer {self._id} sync_params")
+        self.status = FusedCommBuffer.Status.SYNCING
+        task.add_done_callback(self._mark_ready)
+        if sync:
+            try:
+                self._wait_task(task, "sync_params", seq)
+            except CommError:
+                self.sync_param_task = task  # still pending: stays SYNCING, waitable again
+                raise
+            return None
+        self.sync_param_task = task
+        if param2task is not None:
+            for p in self._params:
+                param2task[p.name] = self.sync_param_task
+        return self.sync_param_task
+
+    def _mark_ready(self) -> None:
+        self.status = FusedCommBuffer.Status.READY
+
+    # ------------------------------------------------------------------ storage lifetime
+    def clear_param_storage(self) -> None:
+        """Release the param buffer (reduce-scatter): params have no data until reset."""
+        self._require_sharded("clear_param_storage")
+        self.param_storage = None
+        for p in self._params:
+            p.data = None
+        self.status = FusedCommBuffer.Status.SHARDED
+
+    def reset_param_storage(self) -> None:
+        """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
+        self._require_sharded("reset_param_storage")
+        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self.grad_storage)
+        for p in self._params:
+            self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
+                                                                      copy=False)
+        self.status = FusedCommBuffer.Status.SHARDED
+
+    def clear_grad_storage(self) -> None:
+        """Release the grad buffer (after the optimizer used it, with release_grads)."""
+        if self._task is not None and not self._task.is_completed():
+            raise CommError(f"{self._where()}: clear_grad_storage: communication still in "
+                            f"flight; expected scale_grads() first")
+        self.grad_storage = None
+        for p in self._params:
+            g = grad_of(p, self.use_main_grad)
+            if g is not None and backend.data_ptr(g) == backend.data_ptr(self._grad_view[p.name]):
+                set_grad(p, self.use_main_grad, None)
+            self._grad_view[p.name] = None
+        for view in self._sharding_param_grad_view.values():
+            view.clear_grad_buffer()
+
+    def reset_grad_storage(self, shard_buffer: Any) -> None:
+        """Make a shard-sized buffer this buffer's grads (``free_grads_in_comm``)."""
+        self.grad_storage = shard_buffer
+        self._grads_are_shard = True
+        for view in self._sharding_param_grad_view.values():
+            view.reset_grad_buffer(shard_buffer)
+
+    # Paddle's private names, for code ported from tensor_fusion_helper
+    _clear_param_storage = clear_param_storage
+    _reset_param_storage = reset_param_storage
+    _clear_grad_storage = clear_grad_storage
+    _reset_grad_storage = reset_grad_storage

@@ -1,0 +1,104 @@
+"""``Param``: what a user hands to mpifusion in place of a framework parameter."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from ..arrays import backend
+from ..dtypes import dtype_name
+
+
+class Param:
+    """A named parameter: its data, its gradient and Paddle's flags.
+
+    ``data``, ``grad`` and ``main_grad`` are arrays (numpy or cupy); once a param is fused they
+    are views into the fused buffers, so a framework that writes into them (in place) writes
+    into the buffer. ``array`` may be any DLPack producer; it is not copied.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        array: Any,
+        *,
+        grad: Any = None,
+        main_grad: Any = None,
+        trainable: bool = True,
+        stop_gradient: bool = False,
+        is_distributed: bool = False,
+        need_clip: bool = True,
+        optimize_attr: Optional[dict] = None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Param name: expected a non-empty str, got {name!r}")
+        self.name = name
+        self.data = _import(name, "array", array)
+        self.grad = _import(name, "grad", grad, like=self.data)
+        self.main_grad = _import(name, "main_grad", main_grad, like=self.data)
+        self.trainable = bool(trainable)
+        self.stop_gradient = bool(stop_gradient)
+        self.is_distributed = bool(is_distributed)
+        self.need_clip = bool(need_clip)
+        self.optimize_attr = {"learning_rate": 1.0} if optimize_attr is None else optimize_attr
+        self._backward_hooks: list = []
+
+    @property
+    def data(self) -> Any:
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        # shape and dtype outlive the data: a sharded buffer may release it for a while
+        self._data = value
+        if value is not None:
+            self._shape = tuple(value.shape)
+            self._dtype = dtype_name(value.dtype)
+            self._device = backend.device_of(value)
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``: where the data (and so the buffer it joins) lives."""
+        return self._device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    def register_backward_hook(self, hook: Callable[..., Any]) -> None:
+        """Hooks run by :meth:`backward`, as a framework's autograd would after this grad."""
+        self._backward_hooks.append(hook)
+
+    def backward(self, grad: Any = None) -> None:
+        """Emulate the end of this param's backward: run its hooks (e.g. a buffer's add_grad)."""
+        for hook in self._backward_hooks:
+            hook(grad)
+
+    def __repr__(self) -> str:
+        return f"Param({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _import(name: str, field: str, value: Any, like: Any = None) -> Any:
+    """``value`` as a numpy/cupy array sharing its memory, checked against the param's data."""
+    if value is None:
+        return None
+    try:
+        arr = backend.asarray(value)
+    except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+        raise TypeError(f"Param '{name}': {field}: {exc}") from None
+    if like is not None:
+        if tuple(arr.shape) != tuple(like.shape):
+            raise ValueError(f"Param '{name}': {field}: expected shape {tuple(like.shape)} "
+                             f"like its data, got {tuple(arr.shape)}")
+        if backend.device_of(arr) != backend.device_of(like):
+            raise ValueError(f"Param '{name}': {field}: expected device "
+                             f"{backend.device_of(like)} like its data, got "
+                             f"{backend.device_of(arr)}")
+    return arr

@@ -1,0 +1,196 @@
+"""Flat buffers and the views into them: Paddle's ``flatten_dense_tensors`` and
+``build_reduce_scatter_buffer``.
+
+A layout is planned first (``layout.py``), then the buffers are allocated once and every
+param's data and grad become views of its slot, so frameworks write straight into them.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from mpi4py import MPI
+
+from ..arrays import backend
+from ..dtypes import as_dtype, float32
+from ..errors import LayoutError
+from ..plan.grouping import grad_dtype_for
+from ..plan.layout import FlatLayout, Slot, plan_flat, plan_sharded
+from .param import Param
+
+
+def world_rank() -> int:
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+
+
+def grad_of(param: Param, use_main_grad: bool) -> Any:
+    return param.main_grad if use_main_grad else param.grad
+
+
+def set_grad(param: Param, use_main_grad: bool, value: Any) -> None:
+    if use_main_grad:
+        param.main_grad = value
+    else:
+        param.grad = value
+
+
+def check_trainable(params: Sequence[Param], rank: int) -> None:
+    for p in params:
+        if not p.trainable:
+            raise LayoutError(f"rank {rank}: param '{p.name}': expected a trainable param "
+                              f"(only trainable params are fused), got trainable=False")
+
+
+def plan_or_raise(plan_fn, params, *args, rank: int) -> FlatLayout:
+    try:
+        return plan_fn(params, *args)
+    except ValueError as exc:
+        raise LayoutError(f"rank {rank}: {exc}") from None
+
+
+def slot_view(buffer: Any, slot: Slot) -> Any:
+    """A param-shaped view of ``slot`` in a flat buffer."""
+    return buffer[slot.offset:slot.end].reshape(slot.shape)
+
+
+def adopt_data(param: Param, view: Any, copy: bool) -> None:
+    """Make ``param.data`` the view (copying its values in first when ``copy``)."""
+    if copy:
+        view[...] = param.data
+    param.data = view
+
+
+def adopt_grad(param: Param, use_main_grad: bool, view: Any) -> None:
+    """Make the param's grad (or main_grad) the view, keeping any value it already had."""
+    old = grad_of(param, use_main_grad)
+    if old is not None and old.size == view.size:
+        view[...] = old.reshape(view.shape)
+    set_grad(param, use_main_grad, view)
+
+
+def flatten_dense_tensors(
+    parameters: Sequence[Param],
+    use_main_grad: bool = False,
+    fuse_param: bool = True,
+    warp_buffer: bool = False,
+    release_grad: bool = False,
+):
+    """Fuse params (optional) and grads into 256-byte-aligned flat buffers.
+
+    Returns ``(param_buffer, grad_buffer)`` with ``fuse_param``, else ``(grad_buffer,)``;
+    with ``release_grad`` it only plans: ``(None, total_numel, param2offset)``.
+    ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
+    """
+    rank = world_rank()
+    check_trainable(parameters, rank)
+    layout = plan_or_raise(plan_flat, parameters, rank=rank)
+    if release_grad:
+        return None, layout.numel, layout.param2offset
+    like = parameters[0].data
+    outputs = ()
+    if fuse_param:
+        param_buffer = backend.zeros(layout.numel, layout.dtype, like)
+        for p in parameters:
+            adopt_data(p, slot_view(param_buffer, layout[p.name]), copy=True)
+        outputs = (param_buffer,)
+    grad_buffer = backend.zeros(layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
+    for p in parameters:
+        adopt_grad(p, use_main_grad, slot_view(grad_buffer, layout[p.name]))
+    return outputs + (grad_buffer,)
+
+
+class ShardingGradView:
+    """One param's place in a reduce-scatter buffer, and its slice on this rank."""
+
+    def __init__(self, param: Param, layout: FlatLayout, rank: int, param_buffer: Any,
+                 grad_buffer: Any, use_main_grad: bool = False, release_grad: bool = False) -> None:
+        self.param = param
+        self.slot = layout[param.name]
+        self._use_main_grad = use_main_grad
+        self.rank_begin, _ = layout.shard_range(rank)
+        piece = layout.slice_of(param.name, rank)
+        self.param_begin, self.param_end = piece if piece else (0, 0)
+        self._param_buffer = param_buffer
+        self.grad_buffer = None
+        self.slice_grad = None
+        if not release_grad:
+            self.attach_grad_buffer(grad_buffer, link_param=True)
+        self.share_param_buffer(param_buffer, copy=True)
+
+    @property
+    def has_effective_slice_param(self) -> bool:
+        return self.param_begin < self.param_end
+
+    def attach_grad_buffer(self, grad_buffer: Any, link_param: bool) -> Any:
+        """Point this view at a (full) grad buffer; returns the param's full grad view."""
+        self.grad_buffer = grad_buffer
+        self.slice_grad = (grad_buffer[self.param_begin:self.param_end]
+                           if self.has_effective_slice_param else None)
+        view = slot_view(grad_buffer, self.slot)
+        if link_param:
+            adopt_grad(self.param, self._use_main_grad, view)
+        return view
+
+    def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
+        self._param_buffer = param_buffer
+        adopt_data(self.param, slot_view(param_buffer, self.slot), copy)
+
+    def fill_slice_param(self, slice_param: Param) -> None:
+        """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""
+        size = self.param_end - self.param_begin
+        if slice_param.data is not None and slice_param.numel not in (0, size):
+            raise LayoutError(f"slice param '{slice_param.name}' of '{self.param.name}': "
+                              f"expected {size} elements, got {slice_param.numel}")
+        slice_param.data = self._param_buffer[self.param_begin:self.param_end]
+
+    def assign_slice_grad(self, slice_param: Param) -> None:
+        if self.slice_grad is None:
+            return
+        self.fill_slice_param(slice_param)
+        set_grad(slice_param, self._use_main_grad, self.slice_grad)
+
+    def reset_grad_buffer(self, shard_buffer: Any) -> None:
+        """After ``free_grads_in_comm``: the slice now lives in the shard-sized buffer."""
+        self.grad_buffer = shard_buffer
+        self.slice_grad = (shard_buffer[self.param_begin - self.rank_begin:
+                                        self.param_end - self.rank_begin]
+                           if self.has_effective_slice_param else None)
+
+    def clear_grad_buffer(self) -> None:
+        self.grad_buffer = None
+        self.slice_grad = None
+
+
+def build_reduce_scatter_buffer(
+    parameters: Sequence[Param],
+    sharding_degree: int,
+    rank: int,
+    use_main_grad: bool = False,
+    release_grad: bool = False,
+    init_slice_param: bool = False,
+    slice_params: Optional[dict] = None,
+):
+    """Fuse params and grads into a buffer padded to split evenly over ``sharding_degree``.
+
+    Returns ``(views, total_numel, param_buffer, grad_buffer, param_buffer_ipc_meta)``, where
+    ``views`` maps each param name to its ``ShardingGradView``.
+    """
+    check_trainable(parameters, rank)
+    layout = plan_or_raise(plan_sharded, parameters, sharding_degree, rank=rank)
+    slice_params = {} if slice_params is None else slice_params
+    if init_slice_param:
+        for p in parameters:
+            if layout.slice_of(p.name, rank) and p.name not in slice_params:
+                raise LayoutError(f"rank {rank}: slice_params: expected an entry for param "
+                                  f"'{p.name}' (it has a slice on this rank)")
+    like = parameters[0].data
+    param_buffer = backend.zeros(layout.numel, layout.dtype, like)
+    grad_buffer = None if release_grad else backend.zeros(
+        layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
+    views = {}
+    for p in parameters:
+        view = ShardingGradView(p, layout, rank, param_buffer, grad_buffer,
+                                use_main_grad=use_main_grad, release_grad=release_grad)
+        if init_slice_param and view.has_effective_slice_param:
+            view.fill_slice_param(slice_params[p.name])
+        views[p.name] = view
+    return views, layout.numel, param_buffer, grad_buffer, backend.ipc_handle(param_buffer)

@@ -1,0 +1,70 @@
+"""The one place tests start processes: mpiexec jobs and in-process CLI runs.
+
+Every job runs in its own session and is killed whole (launcher and ranks) when it passes its
+time limit, so a hanging job fails its test instead of the suite.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: Open MPI refuses root and oversubscription unless told; MPICH ignores these.
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def mpiexec_path() -> str:
+    """$MPIEXEC, else the mpiexec next to this Python (a venv's MPI wheel), else PATH's."""
+    exe = os.environ.get("MPIEXEC") or shutil.which(
+        "mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    return exe
+
+
+def run_job(n: int, argv: Sequence[str], *, timeout: float = 240, env: Optional[dict] = None,
+            cwd: Optional[str] = None, stderr_to_stdout: bool = False,
+            hang_ok: bool = False) -> subprocess.CompletedProcess:
+    """``mpiexec -n N ARGV`` (ARGV after the launcher, e.g. ``[sys.executable, script]``),
+    bounded by ``timeout``: past it the whole job is killed and the test fails (or, with
+    ``hang_ok``, the result has returncode None)."""
+    cmd = [mpiexec_path(), "-n", str(n), *map(str, argv)]
+    full_env = dict(os.environ, **MPI_ENV)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE,
+                            text=True, env=full_env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        if not hang_ok:
+            pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{(out or '')[-3000:]}"
+                        f"\n{(err or '')[-3000:]}")
+        return subprocess.CompletedProcess(cmd, None, out, err)  # type: ignore[arg-type]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def mpiexec(n: int, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python -m mpifusion ARGV`` in a fresh job."""
+    return run_job(n, [sys.executable, "-m", "mpifusion", *argv], timeout=timeout)
+
+
+def run_cli(capsys, *argv: str) -> tuple:
+    """(exit code, stdout, stderr) of ``mpifusion ARGV`` run in this process."""
+    from mpifusion.tools.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -1,0 +1,114 @@
+"""``mpifusion run``: the job passes on a correct core, fails on a broken one, and exits 2
+(every rank, one message) on bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpifusion.runtime.buffer import FusedCommBuffer
+from mpifusion.tools.runjob import RunOptions, run_job
+from mpifusion.spec import Spec
+
+from tests.helpers import mpiexec
+
+
+def _passed(proc) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS"), proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.parametrize("n, argv", [
+    (1, ["--steps", "2"]),
+    (2, ["--act", "reduce_scatter", "--preset", "tiny-bf16", "--steps", "2"]),
+    (3, ["--act", "reduce", "--dst", "2", "--release-grads", "--group-size", "20K"]),
+    (3, ["--act", "reduce_scatter", "--reduce-avg", "--release-grads", "--group-size", "16K"]),
+    (2, ["--preset", "tiny-fp16", "--no-main-grad", "--scale-after-comm", "--acc-steps", "3"]),
+])
+def test_run_passes(n, argv):
+    out = _passed(mpiexec(n, "run", "--no-progress", *argv))
+    assert f"mpifusion run: {n} rank(s)" in out
+    assert "algbw" in out and "busbw" in out and "max error" in out and "error bound" in out
+    if "reduce_scatter" in argv:
+        assert "sync_params: exact" in out
+
+
+def test_default_run_at_8_ranks():
+    out = _passed(mpiexec(8, "run", timeout=280))
+    assert "act all_reduce, acc_steps 2" in out and "on 8 rank(s)" in out
+
+
+@pytest.mark.parametrize("n, argv, needle", [
+    (3, ["--preset", "nope"], "unknown preset 'nope'"),
+    (2, ["--act", "reduce", "--dst", "5"], "dst: reduce needs a root rank in [0, 2)"),
+    (2, ["--steps", "0"], "--steps: expected an integer >= 1"),
+])
+def test_bad_input_every_rank_exits_2_one_message(n, argv, needle):
+    proc = mpiexec(n, "run", *argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(needle) == 1, proc.stderr
+    assert "PASS" not in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_spec_for_other_rank_count_exits_2(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"params": [{"name": "w", "shape": [5, 5], "dtype": "fp32"}],
+                                "nranks": 4}))
+    proc = mpiexec(2, "run", "--spec", str(spec))
+    assert proc.returncode == 2
+    assert proc.stderr.count(f"{spec}: nranks: the spec says 4 ranks, but the job has 2") == 1
+
+
+# ------------------------------------------------------------------ in-process, under mpiexec
+
+
+def _spec(act: str = "all_reduce", **kw) -> Spec:
+    return Spec.from_preset("tiny", act=act, acc_steps=2, **kw)
+
+
+@pytest.mark.mpi
+def test_run_job_in_process_passes(comm):
+    assert run_job(_spec("reduce_scatter", group_size=16 * 1024),
+                   RunOptions(steps=2, progress=False), comm) == 0
+
+
+@pytest.mark.mpi
+def test_run_job_fails_when_a_result_is_off(comm, monkeypatch, capsys):
+    """One element off by far less than a gradient, on every rank: FAIL naming the param."""
+    real = FusedCommBuffer.scale_grads
+
+    def scale_then_break(self):
+        real(self)
+        slot = self.layout["fc2.weight"] if "fc2.weight" in self.layout else None
+        if slot is not None:
+            self.grad_storage[slot.offset + 3] += 1e-3
+
+    monkeypatch.setattr(FusedCommBuffer, "scale_grads", scale_then_break)
+    code = run_job(_spec(), RunOptions(steps=1, progress=False), comm)
+    out = capsys.readouterr().out
+    assert code == 1
+    if comm.Get_rank() == 0:
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("FAIL: 1 param(s) beyond the error bound: fc2.weight"), out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_run_job_fails_when_sync_params_is_skipped(comm, monkeypatch, capsys):
+    monkeypatch.setattr(FusedCommBuffer, "sync_params", lambda self, *a, **k: None)
+    code = run_job(_spec("reduce_scatter"), RunOptions(steps=1, progress=False), comm)
+    out = capsys.readouterr().out
+    assert code == 1
+    if comm.Get_rank() == 0:
+        assert "wrong after sync_params" in out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("act", ["all_reduce", "reduce_scatter"])
+def test_mixed_dtype_spec_passes(tmp_path, act):
+    """fp32 and bf16 params in one model: two buffers, each fed grads in its own dtype."""
+    spec = tmp_path / "mixed.json"
+    spec.write_text('{"params": [{"name": "a", "shape": [2], "dtype": "fp32"},'
+                    ' {"name": "b", "shape": [5, 3], "dtype": "bf16"}]}')
+    out = _passed(mpiexec(3, "run", "--no-progress", "--spec", str(spec), "--act", act))
+    assert "float32 grads" in out and "bfloat16 grads" in out
