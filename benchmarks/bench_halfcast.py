@@ -1,0 +1,100 @@
+"""Half <-> fp32 casts per segment: mpifusion.arrays.halfcast against the reference casts
+(numpy fp16, ml_dtypes bf16) and a memcpy of the fp32 segment, timed side by side in rounds.
+
+    python benchmarks/bench_halfcast.py [--elements 2097152] [--rounds 7] [--repeat 20]
+
+Each round times every candidate once (median of ``--repeat`` calls); the table gives the
+median over rounds in ms and the ratio to memcpy measured in the same round, so load that
+drifts on a shared machine hits all of them alike.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from mpifusion.arrays import halfcast
+from mpifusion.dtypes import bfloat16, float16, float32
+
+
+def _time(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--elements", type=int, default=2 * 1024 * 1024,
+                    help="elements per segment (default 2M: an 8 MiB fp32 segment)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    n = args.elements
+    rng = np.random.default_rng(0)
+    f32 = (rng.standard_normal(n) * 100).astype(float32)
+    dst32 = np.empty(n, float32)
+    h16, b16 = f32.astype(float16), f32.astype(bfloat16)
+    o16, ob16 = np.empty(n, float16), np.empty(n, bfloat16)
+
+    def ref(dst, src):
+        return lambda: np.copyto(dst, src, casting="unsafe")
+
+    cands: Dict[str, Callable[[], object]] = {
+        "memcpy fp32": lambda: np.copyto(dst32, f32),
+        "fp16 widen, numpy": ref(dst32, h16),
+        "fp16 widen, halfcast": lambda: halfcast.widen(h16, dst32),
+        "fp16 round, numpy": ref(o16, f32),
+        "fp16 round, halfcast": lambda: halfcast.narrow(f32, o16),
+        "bf16 widen, ml_dtypes": ref(dst32, b16),
+        "bf16 widen, halfcast": lambda: halfcast.widen(b16, dst32),
+        "bf16 round, ml_dtypes": ref(ob16, f32),
+        "bf16 round, halfcast": lambda: halfcast.narrow(f32, ob16),
+    }
+    k = halfcast._kernels
+    if k is not None and halfcast.path() == "f16c":  # the portable loops, for comparison
+        u16, u32 = np.uint16, np.uint32
+        cands["fp16 widen, portable C loop"] = lambda: k.widen_f16_int(h16.view(u16),
+                                                                       dst32.view(u32))
+        cands["fp16 round, portable C loop"] = lambda: k.narrow_f16_int(f32.view(u32),
+                                                                        o16.view(u16))
+        cands["bf16 round, portable C loop"] = lambda: k.narrow_bf16_int(f32.view(u32),
+                                                                         ob16.view(u16))
+    times: Dict[str, List[float]] = {k: [] for k in cands}
+    ratios: Dict[str, List[float]] = {k: [] for k in cands}
+    for _ in range(args.rounds):
+        t = {k: _time(fn, args.repeat) for k, fn in cands.items()}
+        for k in cands:
+            times[k].append(t[k])
+            ratios[k].append(t[k] / t["memcpy fp32"])
+    print(f"# {n} elements ({n * 4 / 2**20:.1f} MiB fp32), {args.rounds} rounds x "
+          f"{args.repeat} calls; halfcast path: {halfcast.path()}; {_cpu()}; "
+          f"numpy {np.__version__}")
+    print(f"| cast | ms (median) | / memcpy (median, min-max over rounds) |")
+    print("| --- | --- | --- |")
+    for k in cands:
+        r = ratios[k]
+        print(f"| {k} | {np.median(times[k]) * 1e3:.3f} | {np.median(r):.2f} "
+              f"({min(r):.2f}-{max(r):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,344 @@
+/* Half <-> float32 conversion kernels for mpifusion.arrays.halfcast (see its docstring).
+ *
+ * The portable kernels use integer arithmetic only (plus one exact int->float conversion for
+ * fp16 subnormals), so results do not depend on the FPU's rounding mode or on flush-to-zero /
+ * denormals-are-zero flags another library may have set. Their loops are branch-free so the
+ * compiler vectorises them; on x86-64 Linux an AVX2 clone is picked at load time
+ * (target_clones). On x86-64 with AVX2 and F16C, fp16 goes through F16C (only while MXCSR's
+ * FTZ/DAZ are off) and bf16 rounding through AVX2 intrinsics: both at memory speed.
+ * Every kernel releases the GIL and returns the number of NaN inputs it saw: the Python side
+ * re-casts those few elements with the reference cast (numpy / ml_dtypes), so NaN payloads are
+ * whatever those produce.
+ *
+ * Buffers come in through the buffer protocol as raw bytes (uint16 / uint32 views), so no
+ * numpy headers are needed to build this file.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(__INTEL_COMPILER)
+#define HC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define HC_CLONES
+#endif
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+/* branch-free select (the loops must have no control flow to vectorise) */
+static inline uint32_t sel(uint32_t cond, uint32_t a, uint32_t b)
+{ uint32_t m = 0u - cond; return (a & m) | (b & ~m); }
+
+/* The loops run in chunks of CHUNK elements with a 32-bit NaN counter, which keeps every
+ * lane 32 bits wide (a 64-bit counter stops GCC from vectorising). */
+#define CHUNK 4096
+#define CHUNKED(body)                                                              \
+    Py_ssize_t nans = 0;                                                           \
+    for (Py_ssize_t lo = 0; lo < n; lo += CHUNK) {                                 \
+        int m = (int)(n - lo < CHUNK ? n - lo : CHUNK);                            \
+        const_src_t *restrict s_ = src + lo;                                       \
+        dst_t *restrict d_ = dst + lo;                                             \
+        uint32_t c = 0;                                                            \
+        for (int i = 0; i < m; i++) { body }                                       \
+        nans += c;                                                                 \
+    }                                                                              \
+    return nans;
+
+/* fp16 -> fp32 (exact). NaN payloads shift up unchanged (numpy's rule). */
+HC_CLONES static Py_ssize_t
+widen_f16(const uint16_t *restrict src, uint32_t *restrict dst, Py_ssize_t n)
+{
+    typedef const uint16_t const_src_t; typedef uint32_t dst_t;
+    CHUNKED(
+        uint32_t h = s_[i];
+        uint32_t sign = (h & 0x8000u) << 16;
+        uint32_t em = h & 0x7fffu;
+        uint32_t norm = (em << 13) + 0x38000000u;          /* exponent bias 15 -> 127 */
+        uint32_t sub = f2u((float)(int32_t)em * 0x1p-24f);  /* exact: em < 2^10, result normal */
+        uint32_t infnan = (em << 13) | 0x7f800000u;
+        uint32_t r = sel(em < 0x0400u, sub, sel(em >= 0x7c00u, infnan, norm));
+        c += em > 0x7c00u;
+        d_[i] = r | sign;
+    )
+}
+
+/* fp32 -> fp16, round to nearest even; overflow -> inf; subnormal results rounded exactly.
+ * NaN: payload truncated, kept a NaN (numpy's rule). The scalar form is the reference; GCC
+ * does not auto-vectorise it (mixed 16/32-bit lanes), so GCC/Clang get the same steps written
+ * with vector extensions, 8 lanes at a time. */
+static inline uint32_t
+narrow_f16_1(uint32_t x, uint32_t *isnan)
+{
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t a = x & 0x7fffffffu;
+    /* normal fp16 result (a >= 2^-14): rebias, round the 13 dropped bits to even */
+    uint32_t norm = (a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+    /* subnormal fp16 result: round(mantissa * 2^(e - 126)) to even; shift kept in [1, 31] */
+    uint32_t mant = (a & 0x007fffffu) | 0x00800000u;
+    uint32_t sh = 126u - (a >> 23);            /* >= 14 where used */
+    sh = sh > 31u ? 31u : (sh < 1u ? 1u : sh);
+    uint32_t q = mant >> sh;
+    uint32_t rem = mant & ((1u << sh) - 1u);
+    uint32_t half = 1u << (sh - 1u);
+    uint32_t sub = q + ((rem > half) | ((rem == half) & q & 1u));
+    uint32_t nan = 0x7c00u | ((a >> 13) & 0x03ffu);
+    nan += nan == 0x7c00u;
+    *isnan = a > 0x7f800000u;
+    uint32_t r = *isnan ? nan
+               : a >= 0x477ff000u ? 0x7c00u             /* >= 65520 rounds to inf */
+               : a >= 0x38800000u ? norm : sub;
+    return r | sign;
+}
+
+#if defined(__GNUC__)
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+#define V(c) ((u32x8){c, c, c, c, c, c, c, c})
+#define VSEL(m, a, b) (((a) & (m)) | ((b) & ~(m)))   /* m: all-ones or zero lanes */
+#endif
+
+HC_CLONES static Py_ssize_t
+narrow_f16(const uint32_t *restrict src, uint16_t *restrict dst, Py_ssize_t n)
+{
+    Py_ssize_t nans = 0, i = 0;
+#if defined(__GNUC__)
+    while (i + 8 <= n) {
+        Py_ssize_t stop = i + 8 * (Py_ssize_t)(CHUNK / 8);
+        if (stop > n - 8) stop = n - 8;
+        u32x8 c = V(0u);
+        for (; i <= stop; i += 8) {
+            u32x8 x;
+            memcpy(&x, src + i, sizeof x);
+            u32x8 sign = (x >> 16) & V(0x8000u);
+            u32x8 a = x & V(0x7fffffffu);
+            u32x8 norm = (a - V(0x38000000u) + V(0x0fffu) + ((a >> 13) & V(1u))) >> 13;
+            u32x8 mant = (a & V(0x007fffffu)) | V(0x00800000u);
+            u32x8 sh = V(126u) - (a >> 23);
+            sh = VSEL((u32x8)(sh > 31u), V(31u), VSEL((u32x8)(sh < 1u), V(1u), sh));
+            u32x8 q = mant >> sh;
+            u32x8 rem = mant & ((V(1u) << sh) - 1u);
+            u32x8 half = V(1u) << (sh - 1u);
+            u32x8 sub = q - ((u32x8)(rem > half) | ((u32x8)(rem == half) & -(q & 1u)));
+            u32x8 nan = V(0x7c00u) | ((a >> 13) & V(0x03ffu));
+            nan -= (u32x8)(nan == 0x7c00u);
+            u32x8 isnan = (u32x8)(a > 0x7f800000u);
+            u32x8 r = VSEL(isnan, nan, VSEL((u32x8)(a >= 0x477ff000u), V(0x7c00u),
+                                            VSEL((u32x8)(a >= 0x38800000u), norm, sub)));
+            c -= isnan;
+            r |= sign;
+            for (int k = 0; k < 8; k++)
+                dst[i + k] = (uint16_t)r[k];
+        }
+        nans += c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];
+    }
+#endif
+    for (; i < n; i++) {
+        uint32_t isnan;
+        dst[i] = (uint16_t)narrow_f16_1(src[i], &isnan);
+        nans += isnan;
+    }
+    return nans;
+}
+
+/* bf16 -> fp32 (exact): the bits move up by 16. */
+HC_CLONES static Py_ssize_t
+widen_bf16(const uint16_t *restrict src, uint32_t *restrict dst, Py_ssize_t n)
+{
+    typedef const uint16_t const_src_t; typedef uint32_t dst_t;
+    CHUNKED(
+        uint32_t h = s_[i];
+        c += (h & 0x7fffu) > 0x7f80u;
+        d_[i] = h << 16;
+    )
+}
+
+/* fp32 -> bf16, round to nearest even (overflow -> inf, subnormals rounded like normals).
+ * NaN: quiet NaN with the sign kept (ml_dtypes' rule). */
+HC_CLONES static Py_ssize_t
+narrow_bf16(const uint32_t *restrict src, uint16_t *restrict dst, Py_ssize_t n)
+{
+    typedef const uint32_t const_src_t; typedef uint16_t dst_t;
+    CHUNKED(
+        uint32_t x = s_[i];
+        uint32_t isnan = (x & 0x7fffffffu) > 0x7f800000u;
+        uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+        r = sel(isnan, ((x >> 16) & 0x8000u) | 0x7fc0u, r);
+        c += isnan;
+        d_[i] = (uint16_t)r;
+    )
+}
+
+/* x86-64: F16C converts 8 lanes per instruction (round-to-nearest-even given in the
+ * instruction, so MXCSR's rounding mode does not matter). It is used only while this thread's
+ * MXCSR has flush-to-zero and denormals-are-zero off (checked on every call), so subnormals
+ * convert exactly as the integer code above does; NaNs are counted and re-cast by the caller
+ * (hardware quiets signalling NaNs, numpy does not). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HC_F16C 1
+
+static int
+cpu_usable(void)   /* AVX2 and F16C on this CPU (and enabled by the OS) */
+{
+    static int cpu = -1;
+    if (cpu < 0) {
+        __builtin_cpu_init();
+        cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    }
+    return cpu;
+}
+
+static int
+f16c_usable(void)
+{
+    return cpu_usable() && (_mm_getcsr() & 0x8040u) == 0;   /* FTZ (bit 15), DAZ (bit 6) off */
+}
+
+__attribute__((target("avx2,f16c"))) static Py_ssize_t
+widen_f16_hw(const uint16_t *restrict src, uint32_t *restrict dst, Py_ssize_t n)
+{
+    Py_ssize_t nans = 0, i = 0;
+    const __m128i mag = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(0x7c00);
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_storeu_ps((float *)(dst + i), _mm256_cvtph_ps(h));
+        int m = _mm_movemask_epi8(_mm_cmpgt_epi16(_mm_and_si128(h, mag), inf));
+        if (m)
+            nans += __builtin_popcount((unsigned)m) / 2;
+    }
+    return nans + widen_f16(src + i, dst + i, n - i);
+}
+
+__attribute__((target("avx2,f16c"))) static Py_ssize_t
+narrow_f16_hw(const uint32_t *restrict src, uint16_t *restrict dst, Py_ssize_t n)
+{
+    Py_ssize_t nans = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps((const float *)(src + i));
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        int m = _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        if (m)
+            nans += __builtin_popcount((unsigned)m);
+    }
+    return nans + narrow_f16(src + i, dst + i, n - i);
+}
+
+/* bf16 rounding, 16 lanes per step with an exact pack (GCC's own vectorisation of the loop
+ * above narrows lane by lane) */
+__attribute__((target("avx2"))) static inline __m256i
+round_bf16_8(__m256i x, __m256i *nanacc)
+{
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i mag = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i qnan = _mm256_set1_epi32(0x7fc0);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, bias), lsb), 16);
+    __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(x, mag), inf);
+    __m256i nanv = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16),
+                                                    _mm256_set1_epi32(0x8000)), qnan);
+    *nanacc = _mm256_or_si256(*nanacc, isnan);
+    return _mm256_blendv_epi8(r, nanv, isnan);
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t
+narrow_bf16_hw(const uint32_t *restrict src, uint16_t *restrict dst, Py_ssize_t n)
+{
+    Py_ssize_t i = 0;
+    __m256i nanacc = _mm256_setzero_si256();
+    for (; i + 16 <= n; i += 16) {
+        __m256i lo = round_bf16_8(_mm256_loadu_si256((const __m256i *)(src + i)), &nanacc);
+        __m256i hi = round_bf16_8(_mm256_loadu_si256((const __m256i *)(src + i + 8)), &nanacc);
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+        _mm256_storeu_si256((__m256i *)(dst + i), p);
+    }
+    Py_ssize_t tail = narrow_bf16(src + i, dst + i, n - i);
+    if (_mm256_testz_si256(nanacc, nanacc))
+        return tail;
+    return narrow_bf16(src, dst, i) + tail;   /* NaNs seen: count them (rare) */
+}
+#endif
+
+typedef Py_ssize_t (*kernel_fn)(const void *, void *, Py_ssize_t);
+
+/* kernel(src, dst): src and dst are C-contiguous buffers of the same element count. */
+static PyObject *
+run(PyObject *args, kernel_fn fn, Py_ssize_t src_size, Py_ssize_t dst_size)
+{
+    Py_buffer src, dst;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &dst))
+        return NULL;
+    PyObject *res = NULL;
+    if (src.len % src_size || dst.len % dst_size || src.len / src_size != dst.len / dst_size) {
+        PyErr_SetString(PyExc_ValueError, "halfcast: source and destination sizes differ");
+    } else {
+        Py_ssize_t n = src.len / src_size, nans;
+        Py_BEGIN_ALLOW_THREADS
+        nans = fn(src.buf, dst.buf, n);
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromSsize_t(nans);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return res;
+}
+
+static PyObject *py_widen_f16(PyObject *self, PyObject *args)
+{
+#ifdef HC_F16C
+    if (f16c_usable())
+        return run(args, (kernel_fn)widen_f16_hw, 2, 4);
+#endif
+    return run(args, (kernel_fn)widen_f16, 2, 4);
+}
+static PyObject *py_narrow_f16(PyObject *self, PyObject *args)
+{
+#ifdef HC_F16C
+    if (f16c_usable())
+        return run(args, (kernel_fn)narrow_f16_hw, 4, 2);
+#endif
+    return run(args, (kernel_fn)narrow_f16, 4, 2);
+}
+/* which fp16 path runs on this thread now: "f16c" or "integer" (for tests and benchmarks) */
+static PyObject *py_f16_path(PyObject *self, PyObject *noargs)
+{
+#ifdef HC_F16C
+    if (f16c_usable())
+        return PyUnicode_FromString("f16c");
+#endif
+    return PyUnicode_FromString("integer");
+}
+/* the portable kernels, whatever the CPU: so tests cover both paths */
+static PyObject *py_widen_f16_int(PyObject *self, PyObject *args)
+{ return run(args, (kernel_fn)widen_f16, 2, 4); }
+static PyObject *py_narrow_f16_int(PyObject *self, PyObject *args)
+{ return run(args, (kernel_fn)narrow_f16, 4, 2); }
+static PyObject *py_narrow_bf16_int(PyObject *self, PyObject *args)
+{ return run(args, (kernel_fn)narrow_bf16, 4, 2); }
+static PyObject *py_widen_bf16(PyObject *self, PyObject *args)
+{ return run(args, (kernel_fn)widen_bf16, 2, 4); }
+static PyObject *py_narrow_bf16(PyObject *self, PyObject *args)
+{
+#ifdef HC_F16C
+    if (cpu_usable())   /* integer only: MXCSR does not matter */
+        return run(args, (kernel_fn)narrow_bf16_hw, 4, 2);
+#endif
+    return run(args, (kernel_fn)narrow_bf16, 4, 2);
+}
+
+static PyMethodDef methods[] = {
+    {"widen_f16", py_widen_f16, METH_VARARGS, "widen_f16(src_u16, dst_u32) -> NaN count"},
+    {"narrow_f16", py_narrow_f16, METH_VARARGS, "narrow_f16(src_u32, dst_u16) -> NaN count"},
+    {"widen_bf16", py_widen_bf16, METH_VARARGS, "widen_bf16(src_u16, dst_u32) -> NaN count"},
+    {"narrow_bf16", py_narrow_bf16, METH_VARARGS, "narrow_bf16(src_u32, dst_u16) -> NaN count"},
+    {"widen_f16_int", py_widen_f16_int, METH_VARARGS, "widen_f16 without F16C"},
+    {"narrow_f16_int", py_narrow_f16_int, METH_VARARGS, "narrow_f16 without F16C"},
+    {"narrow_bf16_int", py_narrow_bf16_int, METH_VARARGS, "narrow_bf16, portable loop"},
+    {"f16_path", py_f16_path, METH_NOARGS, "'f16c' or 'integer': the fp16 path used now"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_halfcast", "Half <-> float32 conversion kernels.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__halfcast(void) { return PyModule_Create(&module); }
