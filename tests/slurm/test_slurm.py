@@ -1,0 +1,236 @@
+"""The project's own ``scripts/mpifusion.sbatch`` submitted with ``sbatch`` to a real Slurm.
+
+The cluster is the one-node cluster of ``scripts/slurm_cluster.sh`` (munge, slurmctld and
+slurmd on this machine), started once per session, or reused when ``.ci/run`` started it.
+Without root and apt-get (and no Slurm already installed) these tests skip, saying why;
+``MPIFUSION_REQUIRE_SLURM=1`` (set by ``.ci/run``) makes that a failure instead.
+
+A misbehaving rank comes from ``fault_hook/sitecustomize.py`` (``MPIFUSION_TEST_FAULT``), so
+the batch script runs unchanged. Every job has a 2-minute Slurm time limit and every test a
+pytest timeout; the file takes about a minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
+SBATCH_SCRIPT = REPO / "scripts" / "mpifusion.sbatch"
+HOOK = Path(__file__).resolve().parent / "fault_hook"
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+        "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+JOB_WAIT = 100  # seconds a test waits for one job before cancelling it
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(150)]
+
+
+def _cluster(command: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), command], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """Environment for sbatch/scontrol against the test cluster (started here if needed)."""
+    folder = os.environ.get("MPIFUSION_SLURM_DIR", "/tmp/mpifusion-slurm")
+    env = dict(os.environ, MPIFUSION_SLURM_DIR=folder, SLURM_CONF=f"{folder}/slurm.conf")
+    required = os.environ.get("MPIFUSION_REQUIRE_SLURM", "") not in ("", "0")
+    started = False
+    if _cluster("status", env, 60).returncode != 0:
+        try:
+            proc = _cluster("start", env, 600)
+            reason = (proc.stdout + proc.stderr).strip()
+            ok = proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            ok, reason = False, "scripts/slurm_cluster.sh start took over 600 s"
+        if not ok:
+            message = f"no Slurm cluster: {reason.splitlines()[-1] if reason else 'unknown'}"
+            if required:
+                pytest.fail(f"{message} (MPIFUSION_REQUIRE_SLURM is set)\n{reason}")
+            pytest.skip(message)
+        started = True
+    if shutil.which("sbatch", path=env.get("PATH")) is None:
+        pytest.skip("sbatch not on PATH")
+    # the jobs run this Python, with this checkout and the fault hook importable
+    env["MPIFUSION_PYTHON"] = sys.executable
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HOOK), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    for key in ("MPIFUSION_TEST_FAULT", "MPIFUSION_ARGS", "MPIFUSION_SRUN_MPI",
+                "MPIFUSION_TIMEOUT", "MPIFUSION_VENV", "MPIFUSION_CPU_BIND"):
+        env.pop(key, None)
+    yield env
+    if started:
+        _cluster("stop", env, 120)
+
+
+class Job:
+    """A finished batch job: state, exit code and its output file."""
+
+    def __init__(self, job_id: str, fields: dict, out: Path):
+        self.id = job_id
+        self.state = fields.get("JobState", "")
+        self.exit_code, self.signal = (int(x) for x in fields.get("ExitCode", "0:0").split(":"))
+        self.reason = fields.get("Reason", "")
+        self.run_time = fields.get("RunTime", "")
+        self.log = out.read_text(errors="replace") if out.exists() else ""
+
+    def __repr__(self) -> str:
+        return (f"job {self.id}: {self.state} exit {self.exit_code}:{self.signal} reason "
+                f"{self.reason} run time {self.run_time}\n--- log\n{self.log}")
+
+
+def _fields(job_id: str, env: dict) -> dict:
+    proc = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env,
+                          capture_output=True, text=True, timeout=30)
+    return dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
+
+
+def submit(env: dict, tmp_path: Path, *options: str, **settings: str) -> str:
+    """sbatch the project's script; ``settings`` go to the job's environment. Returns the id."""
+    job_env = dict(env, **settings)
+    out = tmp_path / "job-%j.out"
+    proc = subprocess.run(["sbatch", "--parsable", "--time=2", f"--chdir={tmp_path}",
+                           f"--output={out}", *options, str(SBATCH_SCRIPT)],
+                          env=job_env, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait(env: dict, tmp_path: Path, job_id: str, timeout: float = JOB_WAIT) -> Job:
+    """Poll until the job is finished (cancelling it after ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = _fields(job_id, env)
+        state = fields.get("JobState", "")
+        if state in DONE:
+            return Job(job_id, fields, tmp_path / f"job-{job_id}.out")
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env, timeout=30)
+            pytest.fail(f"job {job_id} not finished after {timeout:g} s (state {state}, "
+                        f"reason {fields.get('Reason')}); cancelled")
+        time.sleep(0.25)
+
+
+def run_job(env: dict, tmp_path: Path, *options: str, **settings: str) -> Job:
+    return wait(env, tmp_path, submit(env, tmp_path, *options, **settings))
+
+
+def _seconds(run_time: str) -> int:
+    """Slurm's [D-]HH:MM:SS as seconds."""
+    days, _, hms = run_time.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("ntasks", [2, 4])
+def test_job_passes(slurm_env, tmp_path, ntasks):
+    job = run_job(slurm_env, tmp_path, f"--ntasks-per-node={ntasks}")
+    assert (job.state, job.exit_code) == ("COMPLETED", 0), job
+    assert f"PASS: 11 params within the error bound on {ntasks} rank(s)" in job.log, job
+    assert "srun --mpi=pmi2 (MPICH family)" in job.log, job  # chosen from the MPI library
+    assert "cpu binding: none (TaskPlugin=task/none)" in job.log, job
+    assert re.search(rf"^world size: +{ntasks}$", job.log, re.M), job
+
+
+def test_bad_preset_exits_2(slurm_env, tmp_path):
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2",
+                  MPIFUSION_ARGS="run --preset no-such-model")
+    assert (job.state, job.exit_code) == ("FAILED", 2), job
+    assert "no-such-model" in job.log, job
+
+
+def test_fail_verdict_exits_1(slurm_env, tmp_path):
+    """Rank 1 adds grads that are off by 1.0: the verdict is FAIL and the job's code 1."""
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2",
+                  MPIFUSION_ARGS="run --steps 1", MPIFUSION_TEST_FAULT="corrupt:1")
+    assert (job.state, job.exit_code) == ("FAILED", 1), job
+    assert "FAIL: 11 param(s) beyond the error bound" in job.log, job
+
+
+def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
+    """No test hook: ``mpifusion check`` as the job, on a dump with one wrong element."""
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
+    total = grads[0] + grads[1]
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for rank, g in enumerate(grads):
+        out = total.copy()
+        if rank == 1:
+            out[4] += np.float32(0.5)
+        np.savez(dump / f"rank{rank}.npz", **{"in/w/0": g, "out/w": out})
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"params": [{"name": "w", "shape": [6], "dtype": "float32"}],
+                                "act": "all_reduce", "nranks": 2, "acc_steps": 1,
+                                "average": False}))
+    args = f"check --spec {spec} {dump}"
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=1", MPIFUSION_ARGS=args)
+    assert (job.state, job.exit_code) == ("FAILED", 1), job
+    assert "FAIL: 1 param(s) beyond the bound: w" in job.log, job
+
+
+def test_dependency_chains(slurm_env, tmp_path):
+    """afterok runs after a PASS and is cancelled after a bad-input job (never satisfiable)."""
+    good = submit(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_ARGS="run --steps 1")
+    bad = submit(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_ARGS="run --preset nope")
+    after_good = submit(slurm_env, tmp_path, "--ntasks-per-node=2", f"--dependency=afterok:{good}",
+                        "--kill-on-invalid-dep=yes", MPIFUSION_ARGS="run --steps 1")
+    after_bad = submit(slurm_env, tmp_path, "--ntasks-per-node=2", f"--dependency=afterok:{bad}",
+                       "--kill-on-invalid-dep=yes", MPIFUSION_ARGS="run --steps 1")
+    jobs = {name: wait(slurm_env, tmp_path, job_id) for name, job_id in
+            [("good", good), ("bad", bad), ("after_good", after_good), ("after_bad", after_bad)]}
+    assert (jobs["good"].state, jobs["good"].exit_code) == ("COMPLETED", 0), jobs["good"]
+    assert (jobs["bad"].state, jobs["bad"].exit_code) == ("FAILED", 2), jobs["bad"]
+    assert jobs["after_good"].state == "COMPLETED", jobs["after_good"]
+    assert "PASS" in jobs["after_good"].log, jobs["after_good"]
+    assert jobs["after_bad"].state == "CANCELLED", jobs["after_bad"]
+    assert jobs["after_bad"].reason == "DependencyNeverSatisfied", jobs["after_bad"]
+    assert jobs["after_bad"].log == "", jobs["after_bad"]  # it never ran
+
+
+def test_dead_rank_ends_the_step(slurm_env, tmp_path):
+    """Rank 1 exits mid-step: --kill-on-bad-exit ends the step long before the deadline."""
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=4", MPIFUSION_ARGS="run --steps 50",
+                  MPIFUSION_TIMEOUT="120", MPIFUSION_TEST_FAULT="exit:1")
+    assert job.state == "FAILED" and job.exit_code > 2, job
+    assert "[fault hook] rank 1: exit at add_grad call 3" in job.log, job
+    assert re.search(r"srun: error: \S+: task 1: Exited with exit code 3", job.log), job
+    assert "a rank died or was killed" in job.log, job
+    assert "PASS" not in job.log and "CommTimeoutError" not in job.log, job
+    assert _seconds(job.run_time) < 60, job  # not the 120 s deadline, not the time limit
+
+
+def test_timeout_reaches_the_ranks(slurm_env, tmp_path):
+    """Rank 1 stops (alive to Slurm): the others raise CommTimeoutError after MPIFUSION_TIMEOUT."""
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_TIMEOUT="4",
+                  MPIFUSION_TEST_FAULT="stall:1")
+    assert job.state == "FAILED" and job.exit_code != 0, job
+    assert "[fault hook] rank 1: stall at add_grad call 3" in job.log, job
+    assert "CommTimeoutError: rank 0: buffer 0: grad communication" in job.log, job
+    assert "did not complete within 4 s" in job.log, job
+    assert "rank 1 of the buffer's communicator has not started it" in job.log, job
+    assert _seconds(job.run_time) < 60, job
+
+
+def test_wrong_pmi_is_reported(slurm_env, tmp_path):
+    """--mpi=none makes every task a world of size 1: the script says so and exits 3."""
+    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_SRUN_MPI="none")
+    assert (job.state, job.exit_code) == ("FAILED", 3), job
+    assert ("srun --mpi=none started 2 task(s) but MPI reports world size 1" in job.log), job
+    assert "Set MPIFUSION_SRUN_MPI to another of srun --mpi=list:" in job.log, job
+    assert "mpifusion run:" not in job.log, job  # the run itself never started
