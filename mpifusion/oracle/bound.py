@@ -20,15 +20,12 @@ Model of a sync (the half-precision rule mpifusion implements):
 from __future__ import annotations
 
 import math
-import os
-import re
-import zipfile
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from .dtypes import as_dtype
+from ..dtypes import as_dtype
 
 #: unit roundoff u (half the spacing of 1.0) and half the smallest subnormal spacing, per dtype
 _UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
@@ -169,144 +166,3 @@ def format_ratio(ratio: float) -> str:
     if math.isinf(ratio):
         return "inf"
     return f"{ratio:.3g}"
-
-
-# --------------------------------------------------------------------------- mpifusion check
-
-
-class DumpError(ValueError):
-    """A dump that cannot be checked (missing file or key, wrong shape): one line naming the
-    file and the field."""
-
-
-def _rank_files(directory: str, nranks: int) -> list:
-    if not os.path.isdir(directory):
-        raise DumpError(f"{directory}: not a directory (expected rank0.npz ... "
-                        f"rank{nranks - 1}.npz in it)")
-    paths = [os.path.join(directory, f"rank{r}.npz") for r in range(nranks)]
-    for path in paths:
-        if not os.path.isfile(path):
-            raise DumpError(f"{path}: missing (nranks={nranks} expects rank0.npz ... "
-                            f"rank{nranks - 1}.npz)")
-    extra = sorted(f for f in os.listdir(directory)
-                   if re.fullmatch(r"rank\d+\.npz", f) and int(f[4:-4]) >= nranks)
-    if extra:
-        raise DumpError(f"{os.path.join(directory, extra[0])}: unexpected (spec field nranks="
-                        f"{nranks}; is nranks wrong?)")
-    return paths
-
-
-def _open_npz(path: str) -> Any:
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # EOFError: empty file
-        raise DumpError(f"{path}: cannot read as .npz: {exc}") from None
-
-
-def _array(files: Any, path: str, key: str, shape: tuple, dtype: str,
-           missing_ok: bool = False) -> Optional[np.ndarray]:
-    if key not in files.files:
-        if missing_ok:
-            return None
-        raise DumpError(f"{path}: {key}: missing (expected shape {list(shape)})")
-    try:
-        arr = files[key]
-    except ValueError as exc:
-        raise DumpError(f"{path}: {key}: cannot read: {exc}") from None
-    if tuple(arr.shape) != tuple(shape):
-        raise DumpError(f"{path}: {key}: shape {list(arr.shape)} disagrees with the spec "
-                        f"(expected {list(shape)})")
-    if arr.dtype.kind not in "fV" and not (arr.dtype == np.uint16 and dtype == "bfloat16"):
-        raise DumpError(f"{path}: {key}: dtype {arr.dtype} is not a floating dtype "
-                        f"(bfloat16 may be stored as raw 2-byte values)")
-    return as_float64(arr, dtype)
-
-
-@dataclass
-class CheckReport:
-    """Result of :func:`check_dump`: per-param stats in spec order and the bound used."""
-
-    stats: list
-    bounds: dict  # grad dtype -> formula
-
-    @property
-    def failing(self) -> list:
-        return [s.name for s in self.stats if not s.ok]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failing
-
-    def to_json(self, spec: Any) -> dict:
-        def num(x: float) -> Optional[float]:
-            return None if math.isinf(x) or math.isnan(x) else x
-
-        return {
-            "verdict": "PASS" if self.ok else "FAIL",
-            "act": spec.act, "nranks": spec.nranks, "acc_steps": spec.acc_steps,
-            "average": spec.average, "dst": spec.dst, "bound": self.bounds,
-            "params": [{"name": s.name, "compared": s.compared, "max_abs_err": num(s.max_abs),
-                        "max_rel_err": num(s.max_rel), "err_over_bound": num(s.max_ratio),
-                        "worst_rank": s.worst_rank, "nonfinite": s.nonfinite, "ok": s.ok}
-                       for s in self.stats],
-        }
-
-
-def check_dump(spec: Any, directory: str) -> CheckReport:
-    """Check another implementation's dump (README, "Checking another implementation")
-    against the float64 reference recomputed from its own inputs."""
-    nranks = spec.nranks
-    if nranks is None:
-        raise DumpError("nranks: required by check (the number of rank files to read)")
-    act, acc = spec.act, spec.acc_steps
-    params = spec.fused_params()
-    slots = {}
-    if act == "reduce_scatter":
-        for buf in spec.plan(nranks):
-            for p in buf.params:
-                slots[p.name] = buf.layout
-    paths = _rank_files(directory, nranks)
-    files = [_open_npz(path) for path in paths]
-    report = CheckReport([], {})
-    try:
-        for p in params:
-            grad_dtype = "float32" if spec.use_main_grad else p.dtype
-            report.bounds.setdefault(grad_dtype, bound_model(
-                grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                average=spec.average).formula)
-            terms = []
-            for path, f in zip(paths, files):
-                for k in range(acc):
-                    x = _array(f, path, f"in/{p.name}/{k}", p.shape, p.dtype,
-                               missing_ok=p.stop_gradient)
-                    terms.append(np.zeros(p.shape) if x is None else x)
-            ref, absolute = summed(terms)
-            del terms
-            if spec.average:
-                ref /= nranks
-            bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                                average=spec.average)
-            stats = ErrorStats(p.name)
-            for rank, (path, f) in enumerate(zip(paths, files)):
-                key = f"out/{p.name}"
-                if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
-                    out = _array(f, path, key, p.shape, p.dtype)
-                    stats.update(out.reshape(-1), ref.reshape(-1), bound.reshape(-1), rank)
-                elif act == "reduce_scatter":
-                    lay = slots[p.name]
-                    piece = lay.slice_of(p.name, rank)
-                    begin, end = piece if piece else (0, 0)
-                    out = _array(f, path, key, (end - begin,), p.dtype, missing_ok=not piece)
-                    if out is None or not piece:
-                        continue
-                    slot = lay[p.name]
-                    pad = slot.padded_numel - slot.numel
-                    lo, hi = begin - slot.offset, end - slot.offset
-                    ref_p = np.concatenate([ref.reshape(-1), np.zeros(pad)])[lo:hi]
-                    bound_p = np.concatenate([bound.reshape(-1), np.zeros(pad)])[lo:hi]
-                    stats.update(out, ref_p, bound_p, rank)
-            report.stats.append(stats)
-    finally:
-        for f in files:
-            f.close()
-    return report
