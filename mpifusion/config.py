@@ -21,6 +21,9 @@ AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
 #: NaN/Inf check before communication; Paddle's flag name works too.
 NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
 CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
+#: half <-> fp32 casts: auto (compiled kernel when built), kernel (required), numpy (plain casts)
+HALFCAST_ENV = "MPIFUSION_HALFCAST"
+HALFCAST_MODES = ("auto", "kernel", "numpy")
 
 STRATEGIES = ("thread", "nonblocking")
 #: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking``.
@@ -104,6 +107,16 @@ def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional
     environ = os.environ if environ is None else environ
     value = environ.get(CUDA_AWARE_ENV, "").strip()
     return parse_bool(value, CUDA_AWARE_ENV) if value else None
+
+
+def halfcast_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``$MPIFUSION_HALFCAST``: how half-precision segments are widened and rounded."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(HALFCAST_ENV, "").strip().lower() or "auto"
+    if mode not in HALFCAST_MODES:
+        raise OptionError(f"{HALFCAST_ENV}: expected one of {', '.join(HALFCAST_MODES)}, "
+                          f"got {mode!r}")
+    return mode
 
 
 def naninf_check_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:

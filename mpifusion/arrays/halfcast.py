@@ -28,11 +28,11 @@ Without the compiled module, for cupy arrays, non-contiguous or overlapping arra
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import numpy as np
 
+from ..config import HALFCAST_ENV, halfcast_from_env
 from ..dtypes import HALF, float16, float32
 
 try:  # built by setup.py (optional extension)
@@ -40,17 +40,14 @@ try:  # built by setup.py (optional extension)
 except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
-_ENV = "MPIFUSION_HALFCAST"
 _u16, _u32 = np.dtype(np.uint16), np.dtype(np.uint32)
 
 
 def _enabled() -> bool:
-    mode = os.environ.get(_ENV, "auto").strip().lower()
-    if mode not in ("auto", "numpy", "kernel"):
-        raise ValueError(f"${_ENV}: expected 'auto', 'kernel' or 'numpy', got {mode!r}")
+    mode = halfcast_from_env()
     if mode == "kernel" and _kernels is None:
-        raise ImportError(f"${_ENV}=kernel but mpifusion.arrays._halfcast is not built "
-                          "(reinstall with a C compiler: pip install -e .)")
+        raise ImportError(f"${HALFCAST_ENV}=kernel but mpifusion.arrays._halfcast is not "
+                          "built (reinstall with a C compiler: pip install -e .)")
     return _kernels is not None and mode != "numpy"
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ..arrays import backend, cuda
+from ..arrays import backend, cuda, halfcast
 from ..dtypes import HALF, float32
 from .task import Steps
 
@@ -48,7 +48,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
         part = flat[start:start + seg]
         if half:
             w = work[:part.size]
-            w[...] = part
+            halfcast.widen(part, w)  # memory speed; the same bits as w[...] = part
             cuda.synchronize(w)  # a device widening kernel must finish before MPI reads w
         else:
             w = part
@@ -62,7 +62,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
             if scale is not None:
                 backend.scale_(w, scale)
             if half:
-                part[...] = w
+                halfcast.narrow(w, part)  # round to nearest even, as part[...] = w
     if staged and lands:
         cuda.unstage(flat, buf.reshape(-1))
     cuda.synchronize(buf)
@@ -98,13 +98,20 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
     for start in range(0, shard, piece):
         n = min(piece, shard - start)
         block = pack[:nranks * n].reshape(nranks, n)
-        block[...] = grid[:, start:start + n]
+        if send.dtype not in HALF:
+            block[...] = grid[:, start:start + n]
+        else:  # half: widen row by row (each row is contiguous)
+            for r in range(nranks):
+                halfcast.widen(grid[r, start:start + n], block[r])
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
         o = out[:n]
         yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM})
         if scale is not None:
             backend.scale_(o, scale)
-        recv[start:start + n] = o
+        if recv.dtype not in HALF:
+            recv[start:start + n] = o
+        else:
+            halfcast.narrow(o, recv[start:start + n])
     if staged:
         cuda.unstage(recv, recv_dev)
     cuda.synchronize(recvbuf)

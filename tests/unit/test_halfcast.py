@@ -6,6 +6,7 @@ import pytest
 
 from mpifusion.arrays import halfcast
 from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.errors import OptionError
 
 HALVES = [pytest.param(float16, id="fp16"), pytest.param(bfloat16, id="bf16")]
 K = halfcast._kernels
@@ -179,7 +180,7 @@ def test_user_errors(monkeypatch):
     with pytest.raises(ValueError, match="4 elements, output 3"):
         halfcast.narrow(x, np.empty(3, bfloat16))
     monkeypatch.setenv("MPIFUSION_HALFCAST", "fast")
-    with pytest.raises(ValueError, match="MPIFUSION_HALFCAST"):
+    with pytest.raises(OptionError, match="MPIFUSION_HALFCAST"):
         halfcast.path()
 
 
