@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 #: public name -> module that defines it
 _PUBLIC = {
     "Param": "runtime.param",
-    "FusedCommBuffer": "runtime.buffer", "HookAction": "runtime.buffer",
-    "HOOK_ACTION": "runtime.buffer",
+    "FusedCommBuffer": "runtime.buffer", "HookAction": "plan.actions",
+    "HOOK_ACTION": "plan.actions",
     "ShardingGradView": "runtime.storage", "flatten_dense_tensors": "runtime.storage",
     "build_reduce_scatter_buffer": "runtime.storage",
     "fused_parameters": "runtime.fusion", "obtain_storage": "runtime.fusion",

@@ -18,7 +18,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .dtypes import ALIASES, SUPPORTED
+from .dtypes import ALIAS_NAMES, ITEMSIZES
+from .plan.actions import ACT_NAMES
 
 __all__ = [
     "ACTS",
@@ -32,12 +33,12 @@ __all__ = [
     "normalize_dtype",
 ]
 
-ACTS: tuple[str, ...] = ("all_reduce", "reduce", "reduce_scatter")
+ACTS: tuple[str, ...] = ACT_NAMES
 DEFAULT_GROUP_SIZE = 256 * 1024 * 1024
 
 #: alias (fp16, bf16, double, ...) -> canonical name; the table of ``mpifusion.dtypes``
-DTYPE_ALIASES: dict[str, str] = {alias: dt.name for alias, dt in ALIASES.items()}
-ITEMSIZE: dict[str, int] = {dt.name: dt.itemsize for dt in SUPPORTED}
+DTYPE_ALIASES: dict[str, str] = dict(ALIAS_NAMES)
+ITEMSIZE: dict[str, int] = dict(ITEMSIZES)
 
 _Path = tuple[Any, ...]
 

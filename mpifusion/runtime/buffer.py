@@ -22,7 +22,6 @@ check in one tiny collective that they build the same buffer (``health.check_agr
 """
 from __future__ import annotations
 
-import enum
 import logging
 import weakref
 from dataclasses import replace
@@ -38,51 +37,24 @@ from ..comm import health
 from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
                      NanInfError)
 from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
+from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
+from .checkin import CheckIn
+from .options import BufferOptions
 from .param import Param
+from .sharded import ShardedParams
 from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
                       plan_or_raise, set_grad, slot_view, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
-class HookAction(enum.IntEnum):
-    """What a buffer does with its grads once all params checked in."""
 
-    ALL_REDUCE = 0
-    REDUCE = 1
-    REDUCE_SCATTER = 2
-
-    @classmethod
-    def parse(cls, value: Any) -> "HookAction":
-        if isinstance(value, str):
-            key = value.strip().upper().replace("-", "_")
-            key = {"ALLREDUCE": "ALL_REDUCE", "REDUCESCATTER": "REDUCE_SCATTER"}.get(key, key)
-            if key in cls.__members__:
-                return cls[key]
-        elif value is not None and not isinstance(value, bool):
-            try:
-                return cls(int(value))
-            except ValueError:
-                pass
-        raise LayoutError(f"act: expected HookAction.ALL_REDUCE, REDUCE or REDUCE_SCATTER "
-                          f"(or 'all_reduce', 'reduce', 'reduce_scatter'), got {value!r}")
-
-
-#: Paddle's name for the same enum.
-HOOK_ACTION = HookAction
-
-
-class FusedCommBuffer:
+class FusedCommBuffer(ShardedParams):
     """A group of same-dtype params whose grads are reduced together (Paddle's FusedCommBuffer).
 
     ``comm_group`` is an mpi4py communicator; the buffer talks on a private duplicate of it.
     ``timeout`` (seconds, default ``$MPIFUSION_TIMEOUT``, unset = forever) bounds every wait.
     """
-
-    class Status(enum.Enum):
-        SHARDED = enum.auto()   # only this rank's shard of the params is valid
-        SYNCING = enum.auto()   # sync_params is in flight
-        READY = enum.auto()     # full params valid
 
     def __init__(
         self,
@@ -123,51 +95,29 @@ class FusedCommBuffer:
             if not isinstance(p, Param):
                 raise LayoutError(f"{where}: params: expected mpifusion.Param objects, "
                                   f"got {type(p).__name__}")
-        if isinstance(acc_steps, bool) or int(acc_steps) != acc_steps or acc_steps < 1:
-            raise LayoutError(f"{where}: acc_steps: expected an int >= 1, got {acc_steps!r}")
-        try:
-            act = HookAction.parse(act)
-        except LayoutError as exc:
-            raise LayoutError(f"{where}: {exc}") from None
-        if free_grads_in_comm:
-            if acc_steps != 1:
-                raise LayoutError(f"{where}: free_grads_in_comm: expected acc_steps == 1, "
-                                  f"got acc_steps={acc_steps}")
-            if act != HookAction.REDUCE_SCATTER:
-                raise LayoutError(f"{where}: free_grads_in_comm: expected act=REDUCE_SCATTER, "
-                                  f"got {act.name}")
-            if not release_grads:
-                raise LayoutError(f"{where}: free_grads_in_comm: expected release_grads=True")
-        if fuse_param and release_grads:
-            raise LayoutError(f"{where}: fuse_param and release_grads: expected at most one "
-                              f"of them to be True")
-        if fuse_param and act == HookAction.REDUCE_SCATTER:
-            raise LayoutError(f"{where}: fuse_param: not supported with REDUCE_SCATTER "
-                              f"(its params are always fused)")
         nranks = comm.size if comm is not None else 1
-        if act == HookAction.REDUCE:
-            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < nranks:
-                raise LayoutError(f"{where}: dst: REDUCE expected the root's rank in "
-                                  f"[0, {nranks}) of comm_group, got {dst!r}")
-        elif dst != -1:
-            raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {dst!r}")
-        if act == HookAction.REDUCE_SCATTER and comm is None:
-            raise LayoutError(f"{where}: comm_group: REDUCE_SCATTER needs a communicator "
-                              f"to plan its shards, got None")
+        opts = BufferOptions(
+            act=act, acc_steps=acc_steps, dst=dst, use_main_grad=use_main_grad,
+            fuse_param=fuse_param, scale_after_comm=scale_after_comm,
+            release_grads=release_grads, use_reduce_avg=use_reduce_avg,
+            free_grads_in_comm=free_grads_in_comm, init_slice_param=init_slice_param,
+        ).checked(where, nranks, comm is not None)
+        act = opts.act
 
         self._comm = comm
-        self._act = act
-        self._dst = dst
-        self._acc_steps = int(acc_steps)
-        self._scale_after_comm = bool(scale_after_comm)
-        self._fuse_param = bool(fuse_param)
-        self._release_grads = bool(release_grads)
-        self._use_reduce_avg = bool(use_reduce_avg)
-        self._free_grads_in_comm = bool(free_grads_in_comm)
+        self.options = opts
+        self._act = opts.act
+        self._dst = opts.dst
+        self._acc_steps = opts.acc_steps
+        self._scale_after_comm = opts.scale_after_comm
+        self._fuse_param = opts.fuse_param
+        self._release_grads = opts.release_grads
+        self._use_reduce_avg = opts.use_reduce_avg
+        self._free_grads_in_comm = opts.free_grads_in_comm
         self.timeout = deadline
         self.use_main_grad = (self._params[0].main_grad is not None
                               if use_main_grad is None else bool(use_main_grad))
-        self.status = FusedCommBuffer.Status.READY
+        self.status = self.Status.READY
         self.sync_param_task: Optional[CommTask] = None
         self._task: Optional[CommTask] = None
         self._logged_stop_gradient = False
@@ -209,9 +159,7 @@ class FusedCommBuffer:
                     self._params, use_main_grad=self.use_main_grad, fuse_param=False)
         self.param2offset = self.layout.param2offset
         self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
-        self._by_name = {p.name: p for p in self._params}
-        self._steps = dict.fromkeys(self._by_name, 0)
-        self._checked_in = 0
+        self._checkin = CheckIn(self._params, self._acc_steps, where)
         # the grad (or main_grad) array each param must still have at its next add_grad: the
         # view into the grad buffer (kept as the array, so the hot path is an identity check)
         self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
@@ -257,7 +205,7 @@ class FusedCommBuffer:
     @property
     def checked_in(self) -> int:
         """Params that finished all ``acc_steps`` micro-steps this step."""
-        return self._checked_in
+        return self._checkin.count
 
     @property
     def task(self) -> Optional[CommTask]:
@@ -271,7 +219,7 @@ class FusedCommBuffer:
         return backend.ipc_handle(self.param_storage)
 
     def missing_params(self) -> list:
-        return [name for name, n in self._steps.items() if n < self._acc_steps]
+        return self._checkin.missing()
 
     def _where(self) -> str:
         return f"rank {self._rank}: buffer {self._id}"
@@ -310,11 +258,7 @@ class FusedCommBuffer:
         return tracker.late_ranks_text(self._key, seq) if tracker is not None else ""
 
     def _checked_in_text(self) -> str:
-        missing = self.missing_params()
-        text = f"{self._checked_in}/{len(self._params)} params checked in"
-        if missing:
-            text += f": missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
-        return text
+        return self._checkin.text()
 
     def _wait_task(self, task: CommTask, what: str, seq: int) -> None:
         """Wait for ``task`` within the deadline; on expiry say what, where and who is late.
@@ -347,7 +291,7 @@ class FusedCommBuffer:
         backward pass would; without it, whatever backward wrote into the view is used.
         """
         name = param.name
-        steps = self._steps_of(param)
+        steps = self._checkin.steps_of(param)
         if steps >= self._acc_steps:
             raise GradError(f"{self._where()}: param '{name}': already checked in "
                             f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
@@ -367,14 +311,11 @@ class FusedCommBuffer:
         else:
             self._check_own_grad(param)
             self._copy_grad_to_buffer(param, grad)
-        steps += 1
-        self._steps[name] = steps
+        done = self._checkin.add(name)
         if self._comm is not None:
             self._comm.poll()
-        if steps == self._acc_steps:
-            self._checked_in += 1
-            if use_comm and self._checked_in == len(self._params):
-                self.comm_grads()
+        if done and use_comm and self._checkin.all_in:
+            self.comm_grads()
 
     def mark_unused(self, *params: Param, use_comm: bool = True) -> None:
         """Check in params that get no gradient this step (Paddle PR 72688's unused params).
@@ -387,7 +328,7 @@ class FusedCommBuffer:
         names = []
         for param in params:
             name = getattr(param, "name", None)
-            steps = self._steps_of(param)
+            steps = self._checkin.steps_of(param)
             if steps >= self._acc_steps or name in names:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
                                 f"checked in this step (acc_steps={self._acc_steps}); "
@@ -399,16 +340,15 @@ class FusedCommBuffer:
             raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
                             f"(clear_grad_storage); expected release_grads=True for that")
         for param in params:
-            if self._steps[param.name] == 0:
+            if self._checkin.steps[param.name] == 0:
                 if self._release_grads:
                     self._copy_grad_to_buffer(param, None)
                 slot = self.layout[param.name]
                 self.grad_storage[slot.offset:slot.end] = 0
-            self._steps[param.name] = self._acc_steps
-            self._checked_in += 1
+            self._checkin.complete(param.name)
         if self._comm is not None:
             self._comm.poll()
-        if use_comm and names and self._checked_in == len(self._params):
+        if use_comm and names and self._checkin.all_in:
             self.comm_grads()
 
     def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
@@ -444,21 +384,9 @@ class FusedCommBuffer:
                     view.attach_grad_buffer(self.grad_storage, link_param=False)
         self._pre_comm_grads = None
         self._task = None
-        for name in self._steps:
-            self._steps[name] = 0
-        self._checked_in = 0
+        self._checkin.reset()
         if zero_grads and self.grad_storage is not None:
             self.grad_storage[...] = 0
-
-    def _steps_of(self, param: Param) -> int:
-        """Micro-steps ``param`` has this step; raises unless it is a param of this buffer."""
-        name = getattr(param, "name", None)
-        steps = self._steps.get(name)
-        if steps is None or self._by_name[name] is not param:
-            held = ", ".join(list(self._by_name)[:5]) + (", ..." if len(self._params) > 5 else "")
-            raise GradError(f"{self._where()}: param '{name}': not a param of this buffer "
-                            f"(it holds {len(self._params)} params: {held})")
-        return steps
 
     def _check_grad(self, param: Param, grad: Any) -> Any:
         try:
@@ -527,7 +455,7 @@ class FusedCommBuffer:
 
     def comm_grads(self) -> None:
         """Start reducing the grad buffer; every param must have checked in."""
-        if self._checked_in != len(self._params):
+        if not self._checkin.all_in:
             raise CheckInError(
                 f"{self._where()}: step {self._step}: {self._checked_in_text()} (expected "
                 f"{self._acc_steps} add_grad per param; mark_unused(param) checks in a param "
@@ -587,10 +515,10 @@ class FusedCommBuffer:
         """Finish this step's communication, scale by 1/nranks if asked, reset the counters."""
         if self.need_reduce_scale_sync():
             if self._task is None:
-                if self.nranks == 1 and self._checked_in == len(self._params):
+                if self.nranks == 1 and self._checkin.all_in:
                     self._reset_params_checked_in()
                     return
-                if self._checked_in != len(self._params):
+                if not self._checkin.all_in:
                     self.comm_grads()  # raises, naming the missing params
                 raise CheckInError(f"{self._where()}: scale_grads: all params checked in but "
                                    f"communication was not started (add_grad with "
@@ -623,79 +551,10 @@ class FusedCommBuffer:
 
     def _reset_params_checked_in(self) -> None:
         self._task = None
-        for name in self._steps:
-            self._steps[name] = 0
-        self._checked_in = 0
+        self._checkin.reset()
         self._step += 1
 
-    # ------------------------------------------------------------------ reduce-scatter params
-    def _require_sharded(self, what: str) -> None:
-        if self._act != HookAction.REDUCE_SCATTER:
-            raise LayoutError(f"{self._where()}: {what}: expected a REDUCE_SCATTER buffer, "
-                              f"got {self._act.name}")
-
-    def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
-        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
-        self._require_sharded("assign_slice_grad")
-        view = self._sharding_param_grad_view.get(param.name)
-        if view is None:
-            raise GradError(f"{self._where()}: param '{param.name}': not a param of this buffer")
-        view.assign_slice_grad(slice_param)
-
-    def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
-        """All-gather every rank's shard of the param buffer back into the full buffer."""
-        if not self.need_reduce_scale_sync():
-            return None
-        self._require_sharded("sync_params")
-        if self.param_storage is None:
-            raise CommError(f"{self._where()}: sync_params: the param buffer was cleared; "
-                            f"expected reset_param_storage() first")
-        if param2task is not None:
-            taken = [p.name for p in self._params if p.name in param2task]
-            if taken:
-                raise CommError(f"{self._where()}: param2task: params already have a sync "
-                                f"task: {', '.join(taken)}")
-        if self.nranks == 1:
-            return None
-        seq = self._start_collective()
-        task = self._comm.allgather_inplace(self.param_storage,
-                                            name=f"buffer {self._id} sync_params")
-        self.status = FusedCommBuffer.Status.SYNCING
-        task.add_done_callback(self._mark_ready)
-        if sync:
-            try:
-                self._wait_task(task, "sync_params", seq)
-            except CommError:
-                self.sync_param_task = task  # still pending: stays SYNCING, waitable again
-                raise
-            return None
-        self.sync_param_task = task
-        if param2task is not None:
-            for p in self._params:
-                param2task[p.name] = self.sync_param_task
-        return self.sync_param_task
-
-    def _mark_ready(self) -> None:
-        self.status = FusedCommBuffer.Status.READY
-
-    # ------------------------------------------------------------------ storage lifetime
-    def clear_param_storage(self) -> None:
-        """Release the param buffer (reduce-scatter): params have no data until reset."""
-        self._require_sharded("clear_param_storage")
-        self.param_storage = None
-        for p in self._params:
-            p.data = None
-        self.status = FusedCommBuffer.Status.SHARDED
-
-    def reset_param_storage(self) -> None:
-        """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
-        self._require_sharded("reset_param_storage")
-        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self.grad_storage)
-        for p in self._params:
-            self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
-                                                                      copy=False)
-        self.status = FusedCommBuffer.Status.SHARDED
-
+    # ------------------------------------------------------------------ grad storage lifetime
     def clear_grad_storage(self) -> None:
         """Release the grad buffer (after the optimizer used it, with release_grads)."""
         if self._task is not None and not self._task.is_completed():
@@ -718,7 +577,5 @@ class FusedCommBuffer:
             view.reset_grad_buffer(shard_buffer)
 
     # Paddle's private names, for code ported from tensor_fusion_helper
-    _clear_param_storage = clear_param_storage
-    _reset_param_storage = reset_param_storage
     _clear_grad_storage = clear_grad_storage
     _reset_grad_storage = reset_grad_storage

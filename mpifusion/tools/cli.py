@@ -103,12 +103,14 @@ def _non_negative(text: str) -> int:
 
 
 def _act(text: str) -> str:
-    key = text.strip().lower().replace("-", "_")
-    key = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter"}.get(key, key)
-    if key not in ("all_reduce", "reduce", "reduce_scatter"):
+    from ..errors import LayoutError
+    from ..plan.actions import HookAction
+
+    try:
+        return HookAction.parse(text).key
+    except LayoutError:
         raise argparse.ArgumentTypeError(f"expected all_reduce, reduce or reduce_scatter, "
-                                         f"got {text!r}")
-    return key
+                                         f"got {text!r}") from None
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -366,6 +368,8 @@ def collect_info() -> dict:
         except Exception:
             gpus = 0
     version = MPI.Get_version()
+    from .slurm import slurm_view, view_json
+
     return {
         "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
         "mpi_standard": f"{version[0]}.{version[1]}",
@@ -379,14 +383,20 @@ def collect_info() -> dict:
         "mpi4py": mpi4py.__version__,
         "mpifusion": __version__,
         "python": platform.python_version(),
+        "slurm": view_json(slurm_view(os.environ)),  # None outside a Slurm job
     }
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """Exit 1 when srun started more tasks than MPI's world holds (PMI mismatch)."""
+    from .slurm import launch_problem, slurm_view, summary_lines
+
     info = collect_info()
+    view = slurm_view(os.environ)
+    problem = launch_problem(view, info["world_size"])
     if args.json:
-        _say(json.dumps(info, indent=1))
-        return EXIT_PASS
+        _say(json.dumps({**info, "launch_problem": problem}, indent=1))
+        return EXIT_FAIL if problem else EXIT_PASS
     labels = {"mpi_library": "MPI library", "mpi_standard": "MPI standard",
               "thread_level": "thread level", "world_size": "world size",
               "processor": "processor", "cuda_aware_mpi": "CUDA-aware MPI",
@@ -397,6 +407,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         if key == "cupy" and value is None:
             value = "not installed"
         _say(f"{label + ':':<16}{value}")
+        if key == "processor":  # the Slurm view next to MPI's
+            for slurm_label, slurm_value in summary_lines(view):
+                _say(f"{slurm_label + ':':<16}{slurm_value}")
+    if problem:
+        _say(f"warning: {problem}")
+        return EXIT_FAIL
     return EXIT_PASS
 
 

@@ -20,7 +20,7 @@ def params(dtype=np.float32, shapes=((17, 257), (1,), (3, 5))):
 def snapshot(buf, ps):
     """Everything an error must leave untouched."""
     grads = None if buf.grad_storage is None else buf.grad_storage.copy()
-    return (grads, buf.checked_in, dict(buf._steps), buf.task,
+    return (grads, buf.checked_in, dict(buf._checkin.steps), buf.task,
             [None if p.grad is None else p.grad.copy() for p in ps])
 
 

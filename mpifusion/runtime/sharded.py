@@ -1,0 +1,97 @@
+"""The param side of a REDUCE_SCATTER buffer: each rank owns a shard of the params, and
+``sync_params`` all-gathers the (optimizer-updated) shards back into the full params.
+
+A mixin of ``FusedCommBuffer``: the same object Paddle's code calls, with the sharded-param
+lifecycle (READY -> SHARDED -> SYNCING -> READY) kept in one place.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from ..arrays import backend
+from ..comm import CommTask
+from ..errors import CommError, GradError, LayoutError
+from ..plan.actions import HookAction
+from .param import Param
+
+
+class ShardedParams:
+    """Status and all-gather of the param shards (uses the buffer's comm, layout, views)."""
+
+    class Status(enum.Enum):
+        SHARDED = enum.auto()   # only this rank's shard of the params is valid
+        SYNCING = enum.auto()   # sync_params is in flight
+        READY = enum.auto()     # full params valid
+
+    # ------------------------------------------------------------------ reduce-scatter params
+    def _require_sharded(self, what: str) -> None:
+        if self._act != HookAction.REDUCE_SCATTER:
+            raise LayoutError(f"{self._where()}: {what}: expected a REDUCE_SCATTER buffer, "
+                              f"got {self._act.name}")
+
+    def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
+        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
+        self._require_sharded("assign_slice_grad")
+        view = self._sharding_param_grad_view.get(param.name)
+        if view is None:
+            raise GradError(f"{self._where()}: param '{param.name}': not a param of this buffer")
+        view.assign_slice_grad(slice_param)
+
+    def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
+        """All-gather every rank's shard of the param buffer back into the full buffer."""
+        if not self.need_reduce_scale_sync():
+            return None
+        self._require_sharded("sync_params")
+        if self.param_storage is None:
+            raise CommError(f"{self._where()}: sync_params: the param buffer was cleared; "
+                            f"expected reset_param_storage() first")
+        if param2task is not None:
+            taken = [p.name for p in self._params if p.name in param2task]
+            if taken:
+                raise CommError(f"{self._where()}: param2task: params already have a sync "
+                                f"task: {', '.join(taken)}")
+        if self.nranks == 1:
+            return None
+        seq = self._start_collective()
+        task = self._comm.allgather_inplace(self.param_storage,
+                                            name=f"buffer {self._id} sync_params")
+        self.status = self.Status.SYNCING
+        task.add_done_callback(self._mark_ready)
+        if sync:
+            try:
+                self._wait_task(task, "sync_params", seq)
+            except CommError:
+                self.sync_param_task = task  # still pending: stays SYNCING, waitable again
+                raise
+            return None
+        self.sync_param_task = task
+        if param2task is not None:
+            for p in self._params:
+                param2task[p.name] = self.sync_param_task
+        return self.sync_param_task
+
+    def _mark_ready(self) -> None:
+        self.status = self.Status.READY
+
+    # ------------------------------------------------------------------ storage lifetime
+    def clear_param_storage(self) -> None:
+        """Release the param buffer (reduce-scatter): params have no data until reset."""
+        self._require_sharded("clear_param_storage")
+        self.param_storage = None
+        for p in self._params:
+            p.data = None
+        self.status = self.Status.SHARDED
+
+    def reset_param_storage(self) -> None:
+        """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
+        self._require_sharded("reset_param_storage")
+        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self.grad_storage)
+        for p in self._params:
+            self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
+                                                                      copy=False)
+        self.status = self.Status.SHARDED
+
+    # Paddle's private names, for code ported from tensor_fusion_helper
+    _clear_param_storage = clear_param_storage
+    _reset_param_storage = reset_param_storage
