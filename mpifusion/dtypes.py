@@ -1,58 +1,89 @@
 """Dtype names and sizes shared by the planner, the buffers and the CLI.
 
 numpy has no bfloat16; ml_dtypes provides one that numpy arrays (and DLPack) understand.
+Dtype objects (numpy's, and ml_dtypes' bfloat16, whose import alone takes about a second)
+are built on first use, so planning by name (``mpifusion layout``, spec files) imports
+neither numpy nor ml_dtypes.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-float16 = np.dtype(np.float16)
-float32 = np.dtype(np.float32)
-float64 = np.dtype(np.float64)
-
-#: every accepted name (lower case) -> its numpy dtype
-ALIASES = {
-    "float16": float16, "fp16": float16, "half": float16,
-    "bfloat16": bfloat16, "bf16": bfloat16,
-    "float32": float32, "fp32": float32, "float": float32,
-    "float64": float64, "fp64": float64, "double": float64,
+#: every accepted name (lower case) -> its canonical name
+ALIAS_NAMES = {
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float64": "float64", "fp64": "float64", "double": "float64",
 }
+#: canonical name -> bytes per element, for every dtype a fused buffer may hold
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+HALF_NAMES = ("float16", "bfloat16")
 
-#: dtypes a fused buffer may hold (Paddle fuses fp16/bf16/fp32; fp64 is here for oracles).
-SUPPORTED = (float16, bfloat16, float32, float64)
-#: half-precision dtypes: MPI cannot sum them natively (bf16) or fast (fp16).
-HALF = (float16, bfloat16)
+_LAZY = ("float16", "bfloat16", "float32", "float64", "ALIASES", "SUPPORTED", "HALF")
 
 
-def as_dtype(value: Any) -> np.dtype:
+def __getattr__(name: str) -> Any:
+    """The dtype objects and the tables that hold them, built on first use."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import numpy as np
+
+    float16, float32, float64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+    globals().update(float16=float16, float32=float32, float64=float64)
+    if name in ("float16", "float32", "float64"):
+        return globals()[name]
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    by_name = {"float16": float16, "bfloat16": bf16, "float32": float32, "float64": float64}
+    globals().update(
+        bfloat16=bf16,
+        #: every accepted name (lower case) -> its numpy dtype
+        ALIASES={alias: by_name[canon] for alias, canon in ALIAS_NAMES.items()},
+        #: dtypes a fused buffer may hold (Paddle fuses fp16/bf16/fp32; fp64 for oracles)
+        SUPPORTED=(float16, bf16, float32, float64),
+        #: half-precision dtypes: MPI cannot sum them natively (bf16) or fast (fp16)
+        HALF=(float16, bf16))
+    return globals()[name]
+
+
+def as_dtype(value: Any) -> Any:
     """Normalise a name, numpy dtype or framework dtype (torch.bfloat16, ...) to a numpy dtype."""
+    import numpy as np
+
     if isinstance(value, np.dtype):
         return value
     if isinstance(value, str):
         key = value.lower()
     else:
         key = str(value).lower().rsplit(".", 1)[-1]  # torch.float32 -> float32
-    if key in ALIASES:
-        return ALIASES[key]
+    canon = ALIAS_NAMES.get(key)
+    if canon == "bfloat16":
+        return __getattr__("bfloat16")
+    if canon is not None:
+        return np.dtype(canon)
     try:
         return np.dtype(value)
     except TypeError:
         raise ValueError(f"unknown dtype {value!r}: expected one of "
-                         f"{sorted(set(d.name for d in SUPPORTED))}") from None
+                         f"{sorted(ITEMSIZES)}") from None
+
+
+def _known_name(value: Any) -> Any:
+    """The canonical name of a dtype given by one of our names, else None (no import)."""
+    return ALIAS_NAMES.get(value.lower()) if isinstance(value, str) else None
 
 
 def dtype_name(value: Any) -> str:
     """Canonical name ('bfloat16', 'float32', ...) used in layouts and JSON."""
-    return as_dtype(value).name
+    return _known_name(value) or as_dtype(value).name
 
 
 def itemsize(value: Any) -> int:
-    return as_dtype(value).itemsize
+    canon = _known_name(value)
+    return ITEMSIZES[canon] if canon else as_dtype(value).itemsize
 
 
 def is_half(value: Any) -> bool:
-    return as_dtype(value) in HALF
+    return dtype_name(value) in HALF_NAMES

@@ -36,7 +36,16 @@ def run_job(n: int, argv: Sequence[str], *, timeout: float = 240, env: Optional[
     """``mpiexec -n N ARGV`` (ARGV after the launcher, e.g. ``[sys.executable, script]``),
     bounded by ``timeout``: past it the whole job is killed and the test fails (or, with
     ``hang_ok``, the result has returncode None)."""
-    cmd = [mpiexec_path(), "-n", str(n), *map(str, argv)]
+    return run_cmd([mpiexec_path(), "-n", str(n), *map(str, argv)], timeout=timeout, env=env,
+                   cwd=cwd, stderr_to_stdout=stderr_to_stdout, hang_ok=hang_ok)
+
+
+def run_cmd(cmd: Sequence[str], *, timeout: float = 240, env: Optional[dict] = None,
+            cwd: Optional[str] = None, stderr_to_stdout: bool = False,
+            hang_ok: bool = False) -> subprocess.CompletedProcess:
+    """Any command (no launcher added), in its own session, with the same environment,
+    time limit and kill as :func:`run_job`."""
+    cmd = [str(c) for c in cmd]
     full_env = dict(os.environ, **MPI_ENV)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

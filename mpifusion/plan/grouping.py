@@ -11,13 +11,18 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from ..dtypes import as_dtype, dtype_name, float32, itemsize
+from ..dtypes import as_dtype, dtype_name, itemsize
 from .layout import FlatLayout, group_indices_by_size, plan_flat, plan_sharded
 
 
-def grad_dtype_for(param_dtype: Any, use_main_grad: bool) -> Any:
+def grad_dtype_name(param_dtype: Any, use_main_grad: bool) -> str:
     """fp32 main grads for (half-precision) params, else grads in the params' dtype."""
-    return float32 if use_main_grad else as_dtype(param_dtype)
+    return "float32" if use_main_grad else dtype_name(param_dtype)
+
+
+def grad_dtype_for(param_dtype: Any, use_main_grad: bool) -> Any:
+    """The numpy dtype of :func:`grad_dtype_name` (the one rule)."""
+    return as_dtype(grad_dtype_name(param_dtype, use_main_grad))
 
 
 class PlanError(ValueError):
@@ -118,6 +123,6 @@ def plan_model(params: Sequence[Any], *, act: str, group_size: int, use_main_gra
         dtype = dtype_name(members[0].dtype)
         layout = plan_sharded(members, nranks) if act == "reduce_scatter" else plan_flat(members)
         buffers.append(PlannedBuffer(len(buffers), act, dtype,
-                                     dtype_name(grad_dtype_for(dtype, use_main_grad)),
+                                     grad_dtype_name(dtype, use_main_grad),
                                      tuple(members), layout))
     return buffers
