@@ -20,6 +20,7 @@ from typing import Any
 
 from .dtypes import ALIAS_NAMES, ITEMSIZES
 from .plan.actions import ACT_NAMES
+from .plan.layout import FUSED_GROUP_SIZE
 
 __all__ = [
     "ACTS",
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 ACTS: tuple[str, ...] = ACT_NAMES
-DEFAULT_GROUP_SIZE = 256 * 1024 * 1024
+DEFAULT_GROUP_SIZE = FUSED_GROUP_SIZE  # fused_parameters' default
 
 #: alias (fp16, bf16, double, ...) -> canonical name; the table of ``mpifusion.dtypes``
 DTYPE_ALIASES: dict[str, str] = dict(ALIAS_NAMES)

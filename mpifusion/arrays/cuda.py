@@ -10,7 +10,7 @@ import ctypes
 import ctypes.util
 import os
 import re
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 

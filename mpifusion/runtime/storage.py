@@ -11,7 +11,6 @@ from typing import Any, Optional, Sequence
 from mpi4py import MPI
 
 from ..arrays import backend
-from ..dtypes import as_dtype, float32
 from ..errors import LayoutError
 from ..plan.grouping import grad_dtype_for
 from ..plan.layout import FlatLayout, Slot, plan_flat, plan_sharded
