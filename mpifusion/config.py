@@ -21,6 +21,8 @@ AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
 #: NaN/Inf check before communication; Paddle's flag name works too.
 NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
 CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
+#: where ``mpifusion tune`` records the segment size per machine type (machine.py)
+TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 #: half <-> fp32 casts: auto (compiled kernel when built), kernel (required), numpy (plain casts)
 HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
@@ -28,8 +30,8 @@ HALFCAST_MODES = ("auto", "kernel", "numpy")
 STRATEGIES = ("thread", "nonblocking")
 #: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking``.
 DEFAULT_STRATEGY = "auto"
-#: 8 MiB: blocking segments of 4-16 MiB reached the best raw speed here (BENCHMARKS.md);
-#: smaller ones pay per-call latency, larger ones fall out of cache.
+#: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
+#: ``thread`` strategy's default segment size is the machine's (``CommOptions.segment``).
 DEFAULT_SEGMENT_BYTES = 8 << 20
 #: Deadlines longer than this (about 31 years) mean "no deadline": waits take float seconds
 #: and threading/time functions overflow on huge values.
@@ -109,6 +111,17 @@ def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional
     return parse_bool(value, CUDA_AWARE_ENV) if value else None
 
 
+def tune_file_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (XDG's default:
+    ``~/.cache``)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(TUNE_FILE_ENV, "").strip()
+    if not path:
+        cache = environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+        path = os.path.join(cache, "mpifusion", "tune.json")
+    return os.path.expanduser(path)
+
+
 def halfcast_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``$MPIFUSION_HALFCAST``: how half-precision segments are widened and rounded."""
     environ = os.environ if environ is None else environ
@@ -151,10 +164,16 @@ class CommOptions:
 
     @property
     def segment(self) -> int:
-        """Segment size in bytes after defaults (0: one segment per buffer)."""
+        """Segment size in bytes after defaults (0: one segment per buffer). The ``thread``
+        default is this machine's: ``mpifusion tune``'s result, else from the L2 size
+        (machine.py)."""
         if self.segment_bytes is not None:
             return self.segment_bytes
-        return 0 if self.strategy == "nonblocking" else DEFAULT_SEGMENT_BYTES
+        if self.strategy == "nonblocking":
+            return 0
+        from .machine import default_segment_bytes
+
+        return default_segment_bytes()
 
     def with_(self, **changes: Any) -> "CommOptions":
         """A copy with some fields changed (``None`` values are ignored)."""

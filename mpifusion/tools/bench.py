@@ -95,6 +95,11 @@ def bus_factor(kind: str, n: int) -> float:
 _DEFAULT = "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking"
 
 
+def _default_segment() -> int:
+    """The segment size the thread strategy uses on this machine (tuned, L2 rule or env)."""
+    return commlib.CommOptions.from_env(strategy="thread").segment
+
+
 # --------------------------------------------------------------------------- workload
 def make_params(preset: str, dtype: Optional[str], seed: int, fill: bool = True) -> List[Param]:
     """The preset's params; ``fill=False`` leaves them as untouched zero pages (timing runs
@@ -183,10 +188,10 @@ def raw_candidates(comm: MPI.Comm, nbytes: int, params: Sequence[Param], scale: 
         [comm.Iallreduce(MPI.IN_PLACE, [g, MPI.FLOAT]) for g in grads])
     # the fair floor of a sync step: the same 1/n scaling on the same bytes, done the two
     # cheap ways, at the segment sizes mpifusion's thread strategy may use
-    for seg in sorted({4 * MiB, commlib.DEFAULT_SEGMENT_BYTES}):
+    for seg in sorted({4 * MiB, _default_segment()}):
         cands[f"floor+scale: Allreduce {seg // MiB} MiB segments, scaled per segment"] = \
             segmented(seg, True)
-    seg = commlib.DEFAULT_SEGMENT_BYTES
+    seg = _default_segment()
 
     def scale_pass() -> None:
         segmented(seg, False)()
@@ -449,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "thread_level": MPI.Query_thread(),
         "default_strategy": _DEFAULT,
-        "default_segment_bytes": commlib.DEFAULT_SEGMENT_BYTES,
+        "default_segment_bytes": _default_segment(),
         "group_bytes": group_bytes, "iters": args.iters, "warmup": args.warmup,
         "busbw_factor": bus_factor("allreduce", n),
     }
@@ -532,7 +537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         buf = np.ones(size // 4, np.float32)
         iters = int(min(200, max(args.iters, 2e8 / size)))
         row: Dict[str, Any] = {"bytes": size}
-        fns = {"raw_floor": lambda: _raw_best(comm, buf, commlib.DEFAULT_SEGMENT_BYTES),
+        fns = {"raw_floor": lambda: _raw_best(comm, buf, _default_segment()),
                "naive_iallreduce": lambda: comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.FLOAT]).Wait()}
         for s, c in comms.items():
             fns[f"mpifusion_{s}"] = (lambda c=c: c.allreduce(buf).wait())

@@ -15,10 +15,12 @@ import re
 import sys
 from typing import Any, Optional, Sequence
 
+from ..errors import FusionError
+
 EXIT_PASS, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
 
 
-class UsageError(ValueError):
+class UsageError(FusionError, ValueError):
     """Bad input found after parsing (one line; names the option, file or field)."""
 
 
@@ -127,7 +129,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--main-grad", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 main grads (default: the spec's; on for fp16/bf16 presets)")
     p.add_argument("--dtype", metavar="DTYPE",
-                   help="param dtype of every param: float32, bfloat16, float16 (or fp32/bf16/fp16)")
+                   help="dtype of every param, as in spec files: float32, bfloat16, float16, "
+                   "float64 (or fp32, bf16, fp16, fp64)")
     p.add_argument("--dst", type=int, metavar="RANK",
                    help="root rank for --act reduce (default: the spec's, else 0)")
 
@@ -186,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="benchmarks (mpifusion.bench); arguments go to it",
                    add_help=False)
+
+    tun = sub.add_parser("tune", help="measure the best segment size here and record it "
+                         "(under mpiexec -n 2 or more)",
+                         description="Time mpifusion's all-reduce + 1/n at several segment "
+                         "sizes and record the fastest for this machine type in a tune file "
+                         "that the library takes as its default segment size "
+                         "(segment_bytes= and $MPIFUSION_SEGMENT_BYTES still win).")
+    from .tune import add_arguments as _tune_arguments
+
+    _tune_arguments(tun)
     return parser
 
 
@@ -200,6 +213,7 @@ def _strategies() -> tuple:
 
 def spec_from_args(args: argparse.Namespace, *, run: bool = False) -> Any:
     """The spec named by --preset/--spec with the command-line overrides applied."""
+    from ..dtypes import is_half
     from ..spec import Spec, load_spec, normalize_dtype
 
     overrides: dict = {}
@@ -218,6 +232,8 @@ def spec_from_args(args: argparse.Namespace, *, run: bool = False) -> Any:
     dtype = normalize_dtype(args.dtype, "--dtype") if args.dtype is not None else None
     if args.spec is not None:
         base = load_spec(args.spec).to_dict()
+        if run:
+            _refuse_sum(args.spec)
         if dtype is not None:
             base["params"] = [{**p, "dtype": dtype} for p in base["params"]]
         source = args.spec
@@ -225,8 +241,10 @@ def spec_from_args(args: argparse.Namespace, *, run: bool = False) -> Any:
         from ..presets import get_preset
 
         name = args.preset or "tiny"
-        params = get_preset(name, dtype)
-        base = {"params": params, "use_main_grad": params[0]["dtype"] != "float32"}
+        params = get_preset(name)  # --dtype: any dtype a spec file takes (float64 too)
+        if dtype is not None:
+            params = [{**p, "dtype": dtype} for p in params]
+        base = {"params": params, "use_main_grad": is_half(params[0]["dtype"])}
         if run:
             base["acc_steps"] = 2
         source = f"preset {name}"
@@ -236,6 +254,20 @@ def spec_from_args(args: argparse.Namespace, *, run: bool = False) -> Any:
     if merged.get("act") != "reduce" and "dst" not in overrides:
         merged["dst"] = -1
     return Spec.from_dict(merged, source=source)
+
+
+def _refuse_sum(path: str) -> None:
+    """``run`` checks what FusedCommBuffer does, and FusedCommBuffer always averages over
+    ranks (as Paddle does): a spec that explicitly asks for the sum is refused, not ignored."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):  # load_spec read it a moment ago; nothing to add
+        return
+    if isinstance(raw, dict) and raw.get("average") is False:
+        raise UsageError(f"{path}: average: run always averages over ranks (FusedCommBuffer "
+                         f"scales by 1/n, as Paddle does), but the spec asks for the sum; "
+                         f"set \"average\": true or leave it out (check reads it)")
 
 
 def _input_errors() -> tuple:
@@ -416,12 +448,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     return EXIT_PASS
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .tune import run
+
+    return run(args, say=_say)
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     bench = importlib.import_module("mpifusion.tools.bench")
     return int(bench.main(list(argv)) or 0)
 
 
-_COMMANDS = {"layout": cmd_layout, "run": cmd_run, "check": cmd_check, "info": cmd_info}
+_COMMANDS = {"layout": cmd_layout, "run": cmd_run, "check": cmd_check, "info": cmd_info,
+             "tune": cmd_tune}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

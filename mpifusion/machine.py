@@ -1,0 +1,173 @@
+"""This machine's cache sizes and tuned defaults: the default segment size comes from here.
+
+Segments are the pieces a buffer is reduced in. Each is summed by MPI, then scaled (and
+rounded back for half precision) while still in cache, so the best size depends on the
+cache: on a 4 MiB-L2 Xeon 4 MiB segments ran at 0.95-0.98x of the best raw collective and
+8 MiB ones at 1.3-2.2x; the rule is in :func:`segment_rule` and BENCHMARKS.md has the sweeps.
+``mpifusion tune`` measures instead of guessing and records the winner per machine type in a
+small JSON file that :func:`default_segment_bytes` prefers. Precedence, highest first:
+``segment_bytes=``/``CommOptions``, ``$MPIFUSION_SEGMENT_BYTES``, the tune file, the rule.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import tempfile
+from typing import Any, Dict, Optional
+
+from .config import tune_file_from_env
+
+MiB = 1 << 20
+#: when the cache sizes cannot be read
+FALLBACK_SEGMENT_BYTES = 4 * MiB
+#: the rule's bounds: smaller segments pay per-call latency, larger ones leave the cache
+MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES = 1 * MiB, 16 * MiB
+TUNE_VERSION = 1
+
+
+def _parse_size(text: str) -> Optional[int]:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        return int(digits) * mult if digits else None
+    except ValueError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def cache_sizes() -> Dict[str, int]:
+    """Bytes per cache level of CPU 0 (``{'L1d': ..., 'L2': ..., 'L3': ...}``), from Linux's
+    sysfs, else ``os.sysconf``; empty when neither says."""
+    sizes: Dict[str, int] = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        entries = []
+    for entry in entries:
+        if not entry.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(base, entry, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(base, entry, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(base, entry, "size")) as f:
+                size = _parse_size(f.read())
+        except OSError:
+            continue
+        if size and kind != "Instruction":
+            sizes[f"L{level}" + ("d" if kind == "Data" else "")] = size
+    for key, name in (("L2", "SC_LEVEL2_CACHE_SIZE"), ("L3", "SC_LEVEL3_CACHE_SIZE")):
+        if key not in sizes and name in getattr(os, "sysconf_names", {}):
+            try:
+                value = os.sysconf(name)
+            except (OSError, ValueError):
+                value = 0
+            if value and value > 0:
+                sizes[key] = int(value)
+    return sizes
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> str:
+    """What a tuned value is filed under: the CPU model and its cache sizes, so every node
+    of one type (sharing a home directory) reuses one calibration."""
+    sizes = cache_sizes()
+    return "|".join([cpu_model(), platform.machine()]
+                    + [f"{k}={v}" for k, v in sorted(sizes.items())])
+
+
+def segment_rule(sizes: Optional[Dict[str, int]] = None) -> int:
+    """The per-core L2 size, rounded down to a power of two, within [1, 16] MiB: a segment
+    and its in-cache scaling then fit the core's own cache (measured: BENCHMARKS.md)."""
+    sizes = cache_sizes() if sizes is None else sizes
+    l2 = sizes.get("L2")
+    if not l2:
+        return FALLBACK_SEGMENT_BYTES
+    pow2 = 1 << (int(l2).bit_length() - 1)
+    return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, pow2))
+
+
+def tune_path() -> str:
+    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (default
+    ``~/.cache/mpifusion/tune.json``)."""
+    return tune_file_from_env()
+
+
+def read_tune(path: Optional[str] = None) -> Dict[str, Any]:
+    """The tune file's content (``{'version': 1, 'machines': {key: entry}}``); empty when it
+    is missing or unreadable (a broken file must not stop training: it only sets a default)."""
+    path = tune_path() if path is None else path
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != TUNE_VERSION \
+            or not isinstance(data.get("machines"), dict):
+        return {}
+    return data
+
+
+def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
+    """The segment size ``mpifusion tune`` recorded for this machine type, if any."""
+    entry = read_tune(path).get("machines", {}).get(machine_key())
+    if not isinstance(entry, dict):
+        return None
+    value = entry.get("segment_bytes")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    return value
+
+
+def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
+    """Record ``entry`` (with ``segment_bytes``) for this machine type; other machines'
+    entries are kept. Written to a temporary file then renamed, so readers never see half a
+    file. Returns the path."""
+    path = tune_path() if path is None else path
+    data = read_tune(path) or {"version": TUNE_VERSION, "machines": {}}
+    data["machines"][machine_key()] = entry
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def default_segment_bytes() -> int:
+    """The segment size used when neither an option nor ``$MPIFUSION_SEGMENT_BYTES`` gives
+    one: the tuned value for this machine type, else :func:`segment_rule`."""
+    tuned = tuned_segment_bytes()
+    return tuned if tuned is not None else segment_rule()
+
+
+def default_segment_source() -> str:
+    """Where :func:`default_segment_bytes` comes from (for ``mpifusion info``/logs)."""
+    if tuned_segment_bytes() is not None:
+        return f"tuned ({tune_path()})"
+    l2 = cache_sizes().get("L2")
+    return f"L2 rule (L2 {l2 // 1024} KiB)" if l2 else "fallback (cache size unknown)"

@@ -1,0 +1,93 @@
+"""Default segment size: cache-size rule, tune file, and their precedence under explicit
+options and $MPIFUSION_SEGMENT_BYTES (no MPI)."""
+import json
+
+import pytest
+
+from mpifusion import machine
+from mpifusion.config import CommOptions
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def private_tune_file(tmp_path, monkeypatch):
+    """Never read or write the user's real tune file."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
+    monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
+    return path
+
+
+@pytest.mark.parametrize("l2, want", [(4 * MiB, 4 * MiB), (1 * MiB, 1 * MiB),
+                                      (512 * 1024, 1 * MiB), (3 * MiB, 2 * MiB),
+                                      (2 * MiB + 512 * 1024, 2 * MiB), (64 * MiB, 16 * MiB)])
+def test_segment_rule(l2, want):
+    assert machine.segment_rule({"L2": l2}) == want
+
+
+def test_segment_rule_without_cache_sizes():
+    assert machine.segment_rule({}) == machine.FALLBACK_SEGMENT_BYTES
+
+
+@pytest.mark.parametrize("text, want", [("1024K", 1 << 20), ("32M", 32 << 20), ("512", 512),
+                                        ("", None), ("abcK", None)])
+def test_parse_size(text, want):
+    assert machine._parse_size(text) == want
+
+
+def test_cache_sizes_are_plausible():
+    sizes = machine.cache_sizes()
+    for key, value in sizes.items():
+        assert key in ("L1d", "L2", "L3", "L4") and value >= 1024
+
+
+def test_no_tune_file_gives_the_rule(private_tune_file):
+    assert not private_tune_file.exists()
+    assert machine.default_segment_bytes() == machine.segment_rule()
+    assert CommOptions(strategy="thread").segment == machine.segment_rule()
+    assert CommOptions(strategy="nonblocking").segment == 0
+    assert "rule" in machine.default_segment_source() or "fallback" in \
+        machine.default_segment_source()
+
+
+def test_tune_file_beats_rule_and_env_beats_tune_file(private_tune_file, monkeypatch):
+    path = machine.write_tune({"segment_bytes": 3 * MiB, "nranks": 2})
+    assert path == str(private_tune_file)
+    data = json.loads(private_tune_file.read_text())
+    assert data["version"] == 1 and data["machines"][machine.machine_key()]["nranks"] == 2
+    assert machine.default_segment_bytes() == 3 * MiB
+    assert CommOptions().segment == 3 * MiB
+    assert "tuned" in machine.default_segment_source()
+    assert CommOptions(segment_bytes=5 * MiB).segment == 5 * MiB  # explicit option wins
+    monkeypatch.setenv("MPIFUSION_SEGMENT_BYTES", str(6 * MiB))
+    assert CommOptions.from_env().segment == 6 * MiB  # the environment wins too
+    assert CommOptions.from_env(segment_bytes=7 * MiB).segment == 7 * MiB
+
+
+def test_other_machines_entries_are_kept(private_tune_file):
+    private_tune_file.write_text(json.dumps(
+        {"version": 1, "machines": {"other cpu|L2=1": {"segment_bytes": 123}}}))
+    machine.write_tune({"segment_bytes": 2 * MiB})
+    data = json.loads(private_tune_file.read_text())
+    assert data["machines"]["other cpu|L2=1"] == {"segment_bytes": 123}
+    assert machine.tuned_segment_bytes() == 2 * MiB
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]),
+                                     json.dumps({"version": 99, "machines": {}}),
+                                     json.dumps({"version": 1, "machines": {"KEY": {
+                                         "segment_bytes": -1}}}),
+                                     json.dumps({"version": 1, "machines": {"KEY": {
+                                         "segment_bytes": True}}})])
+def test_broken_tune_file_falls_back_to_the_rule(private_tune_file, content):
+    """A tune file only sets a default: a broken one must not stop training."""
+    private_tune_file.write_text(content.replace("KEY", machine.machine_key()))
+    assert machine.default_segment_bytes() == machine.segment_rule()
+
+
+def test_cli_tune_at_one_rank_says_how_to_run_it(capsys):
+    from mpifusion.tools import cli
+
+    assert cli.main(["tune", "--dry-run"]) == 2
+    assert "mpiexec -n 2" in capsys.readouterr().err
