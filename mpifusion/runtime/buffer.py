@@ -139,24 +139,26 @@ class FusedCommBuffer(ShardedParams):
         self.param_storage = None
         self.grad_storage = None
         self._sharding_param_grad_view: dict = {}
-        if act == HookAction.REDUCE_SCATTER:
+        check_trainable(self._params, rank)
+        if act == HookAction.REDUCE_SCATTER:  # planned once, then allocated from the plan
+            self.layout = plan_or_raise(plan_sharded, self._params, nranks, rank=rank)
             (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
              self.grad_storage, _) = build_reduce_scatter_buffer(
                 self._params, nranks, rank, use_main_grad=self.use_main_grad,
                 release_grad=self._release_grads, init_slice_param=init_slice_param,
-                slice_params=slice_params)
-            self.layout = plan_sharded(self._params, nranks)
+                slice_params=slice_params, layout=self.layout)
             self._params[0].comm_buffer_ref = weakref.ref(self)
         else:
-            check_trainable(self._params, rank)
             self.layout = plan_or_raise(plan_flat, self._params, rank=rank)
             self.buffer_size = self.layout.numel
             if self._fuse_param:
                 self.param_storage, self.grad_storage = flatten_dense_tensors(
-                    self._params, use_main_grad=self.use_main_grad, fuse_param=True)
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=True,
+                    layout=self.layout)
             elif not self._release_grads:
                 (self.grad_storage,) = flatten_dense_tensors(
-                    self._params, use_main_grad=self.use_main_grad, fuse_param=False)
+                    self._params, use_main_grad=self.use_main_grad, fuse_param=False,
+                    layout=self.layout)
         self.param2offset = self.layout.param2offset
         self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
         self._checkin = CheckIn(self._params, self._acc_steps, where)

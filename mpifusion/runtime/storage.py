@@ -72,16 +72,20 @@ def flatten_dense_tensors(
     fuse_param: bool = True,
     warp_buffer: bool = False,
     release_grad: bool = False,
+    *,
+    layout: Optional[FlatLayout] = None,
 ):
     """Fuse params (optional) and grads into 256-byte-aligned flat buffers.
 
     Returns ``(param_buffer, grad_buffer)`` with ``fuse_param``, else ``(grad_buffer,)``;
     with ``release_grad`` it only plans: ``(None, total_numel, param2offset)``.
     ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
+    ``layout``: the plan of ``parameters`` when the caller already made it (planned once).
     """
-    rank = world_rank()
-    check_trainable(parameters, rank)
-    layout = plan_or_raise(plan_flat, parameters, rank=rank)
+    if layout is None:
+        rank = world_rank()
+        check_trainable(parameters, rank)
+        layout = plan_or_raise(plan_flat, parameters, rank=rank)
     if release_grad:
         return None, layout.numel, layout.param2offset
     like = parameters[0].data
@@ -167,14 +171,17 @@ def build_reduce_scatter_buffer(
     release_grad: bool = False,
     init_slice_param: bool = False,
     slice_params: Optional[dict] = None,
+    *,
+    layout: Optional[FlatLayout] = None,
 ):
     """Fuse params and grads into a buffer padded to split evenly over ``sharding_degree``.
 
     Returns ``(views, total_numel, param_buffer, grad_buffer, param_buffer_ipc_meta)``, where
     ``views`` maps each param name to its ``ShardingGradView``.
     """
-    check_trainable(parameters, rank)
-    layout = plan_or_raise(plan_sharded, parameters, sharding_degree, rank=rank)
+    if layout is None:
+        check_trainable(parameters, rank)
+        layout = plan_or_raise(plan_sharded, parameters, sharding_degree, rank=rank)
     slice_params = {} if slice_params is None else slice_params
     if init_slice_param:
         for p in parameters:
