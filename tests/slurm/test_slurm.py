@@ -144,7 +144,12 @@ def test_job_passes(slurm_env, tmp_path, ntasks):
     assert f"PASS: 11 params within the error bound on {ntasks} rank(s)" in job.log, job
     assert "srun --mpi=pmi2 (MPICH family)" in job.log, job  # chosen from the MPI library
     assert "cpu binding: none (TaskPlugin=task/none)" in job.log, job
+    # mpifusion info: MPI's view and Slurm's side by side
     assert re.search(rf"^world size: +{ntasks}$", job.log, re.M), job
+    assert re.search(rf"^Slurm job: +{job.id} step 0$", job.log, re.M), job
+    assert re.search(rf"^Slurm tasks: +{ntasks} in this step, per node {ntasks}$", job.log,
+                     re.M), job
+    assert re.search(r"^Slurm PMI: +pmi2 \(PMI_FD, ", job.log, re.M), job
 
 
 def test_bad_preset_exits_2(slurm_env, tmp_path):
@@ -233,4 +238,5 @@ def test_wrong_pmi_is_reported(slurm_env, tmp_path):
     assert (job.state, job.exit_code) == ("FAILED", 3), job
     assert ("srun --mpi=none started 2 task(s) but MPI reports world size 1" in job.log), job
     assert "Set MPIFUSION_SRUN_MPI to another of srun --mpi=list:" in job.log, job
+    assert "warning: srun started 2 tasks but MPI's world size is 1" in job.log, job
     assert "mpifusion run:" not in job.log, job  # the run itself never started
