@@ -31,9 +31,26 @@ class NanInfError(FusionError, FloatingPointError):
     """NaN or Inf found in a grad buffer before communication."""
 
 
+class StateError(FusionError):
+    """A call the buffer's current state does not allow (communication still in flight,
+    storage cleared, no communicator); the message says what to call first."""
+
+
 class CommError(FusionError):
     """A collective could not be started or finished."""
 
 
 class CommTimeoutError(CommError, TimeoutError):
     """A collective did not finish within the buffer's deadline."""
+
+
+class OracleMismatch(FusionError, AssertionError):
+    """A checked implementation's results do not match the oracle's reference (names the params
+    and ranks; ``report`` holds every statistic). An AssertionError too, so test runners show
+    it as a failed assertion."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+        self.params = list(getattr(report, "failing", []))
+        self.ranks = list(getattr(report, "failing_ranks", []))

@@ -35,7 +35,7 @@ from ..config import CommOptions, naninf_check_from_env, parse_bool
 from ..dtypes import as_dtype
 from ..comm import health
 from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
-                     NanInfError)
+                     NanInfError, StateError)
 from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
@@ -371,7 +371,7 @@ class FusedCommBuffer(ShardedParams):
             except MPI.Exception:
                 pending = True
         if pending and not abandon:
-            raise CommError(f"{self._where()}: reset: grad communication is still in flight "
+            raise StateError(f"{self._where()}: reset: grad communication is still in flight "
                             f"({self._checked_in_text()}); expected wait() first, or "
                             f"reset(abandon=True) to give it up")
         if pending:
@@ -468,10 +468,10 @@ class FusedCommBuffer(ShardedParams):
         if not self.need_reduce_scale_sync():
             return
         if self._task is not None:
-            raise CommError(f"{self._where()}: comm_grads: communication already started this "
+            raise StateError(f"{self._where()}: comm_grads: communication already started this "
                             f"step; expected scale_grads() first")
         if self._comm is None:
-            raise CommError(f"{self._where()}: comm_grads: the buffer was built without a "
+            raise StateError(f"{self._where()}: comm_grads: the buffer was built without a "
                             f"comm_group, so it cannot communicate")
         if self._naninf_check:
             self._check_naninf()
@@ -560,7 +560,7 @@ class FusedCommBuffer(ShardedParams):
     def clear_grad_storage(self) -> None:
         """Release the grad buffer (after the optimizer used it, with release_grads)."""
         if self._task is not None and not self._task.is_completed():
-            raise CommError(f"{self._where()}: clear_grad_storage: communication still in "
+            raise StateError(f"{self._where()}: clear_grad_storage: communication still in "
                             f"flight; expected scale_grads() first")
         self.grad_storage = None
         for p in self._params:

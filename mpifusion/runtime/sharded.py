@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..arrays import backend
 from ..comm import CommTask
-from ..errors import CommError, GradError, LayoutError
+from ..errors import GradError, LayoutError, StateError
 from ..plan.actions import HookAction
 from .param import Param
 
@@ -44,12 +44,12 @@ class ShardedParams:
             return None
         self._require_sharded("sync_params")
         if self.param_storage is None:
-            raise CommError(f"{self._where()}: sync_params: the param buffer was cleared; "
+            raise StateError(f"{self._where()}: sync_params: the param buffer was cleared; "
                             f"expected reset_param_storage() first")
         if param2task is not None:
             taken = [p.name for p in self._params if p.name in param2task]
             if taken:
-                raise CommError(f"{self._where()}: param2task: params already have a sync "
+                raise StateError(f"{self._where()}: param2task: params already have a sync "
                                 f"task: {', '.join(taken)}")
         if self.nranks == 1:
             return None

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from mpifusion import FusedCommBuffer, Param
-from mpifusion.errors import CheckInError, CommError, FusionError, GradError
+from mpifusion.errors import CheckInError, FusionError, GradError, StateError
 from mpifusion.tools import cli
 from mpifusion.spec import Spec, SpecError, load_spec
 
@@ -135,7 +135,7 @@ def test_add_grad_sequences_match_model_or_raise_clearly(case):
                 with pytest.raises(CheckInError, match="missing " + ", ".join(missing[:10])):
                     buf.comm_grads()
             else:
-                with pytest.raises(CommError, match="already started"):
+                with pytest.raises(StateError, match="already started"):
                     buf.comm_grads()
         elif kind == "scale":
             if model.checked < len(shapes):
