@@ -36,6 +36,10 @@ from .task import CommTask, Steps
 
 logger = logging.getLogger("mpifusion")
 
+#: ``thread`` strategy: collectives of buffers up to this size run on the caller when nothing
+#: else is in flight on the communicator (measured: BENCHMARKS.md, small messages)
+INLINE_MAX_BYTES = 64 << 10
+
 
 _MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
 
@@ -104,7 +108,11 @@ class Communicator:
 
     def _start(self, steps: Steps, keep: Sequence[Any], name: str) -> CommTask:
         task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank)
-        self._engine.submit(task)
+        if (self.timeout is None and isinstance(self._engine, _ThreadEngine)
+                and sum(getattr(a, "nbytes", 0) for a in keep) <= INLINE_MAX_BYTES):
+            self._engine.submit(task, inline=True)  # without a deadline only: it blocks
+        else:
+            self._engine.submit(task)
         return task
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
