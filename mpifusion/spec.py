@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .dtypes import ALIAS_NAMES, ITEMSIZES
+from .errors import FusionError
 from .plan.actions import ACT_NAMES
 from .plan.layout import FUSED_GROUP_SIZE
 
@@ -44,7 +45,7 @@ ITEMSIZE: dict[str, int] = dict(ITEMSIZES)
 _Path = tuple[Any, ...]
 
 
-class SpecError(ValueError):
+class SpecError(FusionError, ValueError):
     """Invalid spec; ``source``, ``path`` and ``reason`` are kept for tools, ``str()`` is one line."""
 
     def __init__(self, reason: str, path: _Path = (), source: str | None = None) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..dtypes import as_dtype, dtype_name, itemsize
+from ..errors import FusionError
 from .layout import FlatLayout, group_indices_by_size, plan_flat, plan_sharded
 
 
@@ -25,7 +26,7 @@ def grad_dtype_for(param_dtype: Any, use_main_grad: bool) -> Any:
     return as_dtype(grad_dtype_name(param_dtype, use_main_grad))
 
 
-class PlanError(ValueError):
+class PlanError(FusionError, ValueError):
     """Params that cannot be planned as asked (one line, names the field or param)."""
 
 
