@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from .dtypes import ALIAS_NAMES
+from .errors import FusionError
+
 __all__ = [
     "BASE_PRESETS",
     "PRESETS",
@@ -23,7 +26,7 @@ Shape = list[int]
 _Entry = tuple[str, Shape]
 
 
-class PresetError(KeyError, ValueError):
+class PresetError(FusionError, KeyError, ValueError):
     """Unknown preset or dtype; a KeyError for lookups, a ValueError for CLIs."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
@@ -145,11 +148,9 @@ _BUILDERS: dict[str, Callable[[], list[_Entry]]] = {
 # Name suffix -> dtype of every parameter (half-precision variants are meant
 # to be run with fp32 main grads; that choice belongs to the runner).
 _SUFFIXES = {"": "float32", "-bf16": "bfloat16", "-fp16": "float16"}
-_DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-}
+#: the names of the dtypes a preset may take (``mpifusion.dtypes``' one alias table)
+_DTYPE_ALIASES = {alias: canon for alias, canon in ALIAS_NAMES.items()
+                  if canon in set(_SUFFIXES.values())}
 
 BASE_PRESETS: tuple[str, ...] = tuple(_BUILDERS)
 PRESETS: tuple[str, ...] = tuple(b + s for b in BASE_PRESETS for s in _SUFFIXES)
