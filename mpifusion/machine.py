@@ -2,8 +2,9 @@
 
 Segments are the pieces a buffer is reduced in. Each is summed by MPI, then scaled (and
 rounded back for half precision) while still in cache, so the best size depends on the
-cache: on a 4 MiB-L2 Xeon 4 MiB segments ran at 0.95-0.98x of the best raw collective and
-8 MiB ones at 1.3-2.2x; the rule is in :func:`segment_rule` and BENCHMARKS.md has the sweeps.
+cache: on a Xeon with 2 MiB of L2 per core, 4 MiB segments ran at 0.95-0.98x of the best raw
+collective and 8 MiB ones at 1.3-2.2x; the rule is :func:`segment_rule`, BENCHMARKS.md has
+the sweeps.
 ``mpifusion tune`` measures instead of guessing and records the winner per machine type in a
 small JSON file that :func:`default_segment_bytes` prefers. Precedence, highest first:
 ``segment_bytes=``/``CommOptions``, ``$MPIFUSION_SEGMENT_BYTES``, the tune file, the rule.
@@ -23,7 +24,7 @@ MiB = 1 << 20
 #: when the cache sizes cannot be read
 FALLBACK_SEGMENT_BYTES = 4 * MiB
 #: the rule's bounds: smaller segments pay per-call latency, larger ones leave the cache
-MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES = 1 * MiB, 16 * MiB
+MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES = 2 * MiB, 16 * MiB
 TUNE_VERSION = 1
 
 
@@ -92,13 +93,16 @@ def machine_key() -> str:
 
 
 def segment_rule(sizes: Optional[Dict[str, int]] = None) -> int:
-    """The per-core L2 size, rounded down to a power of two, within [1, 16] MiB: a segment
-    and its in-cache scaling then fit the core's own cache (measured: BENCHMARKS.md)."""
+    """Twice the per-core L2 size (as sysfs reports it for CPU 0), rounded down to a power
+    of two, within [2, 16] MiB. Measured (BENCHMARKS.md, 2 ranks): Xeon with 2 MiB L2 per
+    core: 4 MiB best, 8 MiB 1.3-2.2x slower; EPYC with 1 MiB L2 per core (32 MiB L3): 2-6 MiB
+    within 1.06x of the best, 1 MiB 1.37x, 8-16 MiB 1.3x. Smaller segments pay MPI's per-call
+    cost, larger ones are evicted before they are scaled (or rounded back)."""
     sizes = cache_sizes() if sizes is None else sizes
     l2 = sizes.get("L2")
     if not l2:
         return FALLBACK_SEGMENT_BYTES
-    pow2 = 1 << (int(l2).bit_length() - 1)
+    pow2 = 1 << (int(2 * l2).bit_length() - 1)
     return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, pow2))
 
 

@@ -19,9 +19,10 @@ def private_tune_file(tmp_path, monkeypatch):
     return path
 
 
-@pytest.mark.parametrize("l2, want", [(4 * MiB, 4 * MiB), (1 * MiB, 1 * MiB),
-                                      (512 * 1024, 1 * MiB), (3 * MiB, 2 * MiB),
-                                      (2 * MiB + 512 * 1024, 2 * MiB), (64 * MiB, 16 * MiB)])
+@pytest.mark.parametrize("l2, want", [(2 * MiB, 4 * MiB), (1 * MiB, 2 * MiB),
+                                      (512 * 1024, 2 * MiB), (3 * MiB, 4 * MiB),
+                                      (1280 * 1024, 2 * MiB), (4 * MiB, 8 * MiB),
+                                      (64 * MiB, 16 * MiB)])
 def test_segment_rule(l2, want):
     assert machine.segment_rule({"L2": l2}) == want
 
