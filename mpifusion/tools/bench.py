@@ -1,22 +1,30 @@
 """``mpifusion bench``: mpifusion's gradient sync side by side with raw MPI, OSU/nccl-tests style.
 
-Run as ``mpiexec -n 2 python scripts/bench_sync.py`` (or ``mpifusion bench``). One run measures,
-on the same bytes (a preset's gradients, GPT-2-small fp32 by default):
+Run as ``mpiexec -n 2 mpifusion bench``. One run measures, on the same bytes (a preset's
+gradients, GPT-2-small fp32 by default):
 
 * mpifusion's full step (``add_grad`` of every param, comm, ``scale_grads``) for ALL_REDUCE,
   REDUCE and REDUCE_SCATTER (+ ``sync_params``), per communication strategy;
 * the raw MPI candidates on one contiguous buffer (the floor for this MPI), a naive
   ``Iallreduce`` of the flat buffer, per-param ``Iallreduce`` and torch gloo (when installed);
-* a sweep of message sizes (algbw/busbw, nccl-tests definitions) and of fusion group sizes;
+* a sweep of message sizes (algbw/busbw, nccl-tests definitions, ``tools.bandwidth``) and of
+  fusion group sizes, both up to the model's grad bytes unless given;
 * overlap with emulated compute (OSU's method), ``add_grad`` cost per param and peak memory.
 
 Times are the slowest rank's, median over ``--iters`` (after ``--warmup``). Only rank 0 prints
-and writes the JSON and PNG; every rank returns 0.
+and writes the JSON and PNG (into ``--out``, default ``bench_out/``). The targets shown are
+those that apply to the model (the speed ratios are set for bandwidth-bound syncs); they
+inform, they do not set the exit code: 0 after a run, 2 for bad arguments (checked on every
+rank before anything is measured).
+
+Structure: :data:`MEASUREMENTS` lists the measurements (each fills its keys of ``Bench.res``),
+:data:`TABLES` the report's tables; a new sweep is one entry in each.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -25,19 +33,22 @@ import statistics
 import sys
 import time
 import tracemalloc
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import config as commlib
 from ..comm import Communicator
-from ..config import CommOptions
+from ..config import CommOptions, OptionError
 from ..runtime.buffer import FusedCommBuffer, HookAction
 from ..dtypes import as_dtype
 from ..runtime.fusion import assign_group_by_size
 from ..runtime.param import Param
 from ..presets import get_preset
+from ..spec import normalize_dtype
+from .bandwidth import algbw, bus_factor, busbw, fmt_gbps
 
 MiB = 1 << 20
 
@@ -83,14 +94,6 @@ def round_ratio(a: dict, b: dict) -> float:
     return a["median_s"] / b["median_s"]
 
 
-def bus_factor(kind: str, n: int) -> float:
-    """nccl-tests' busbw factor: what each rank's links carry relative to the data size."""
-    if n <= 1:
-        return 0.0
-    return {"allreduce": 2 * (n - 1) / n, "reduce": 1.0,
-            "reduce_scatter+allgather": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
-
-
 #: the strategy a default run resolves to on this MPI (auto: thread at THREAD_MULTIPLE)
 _DEFAULT = "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking"
 
@@ -106,8 +109,8 @@ def make_params(preset: str, dtype: Optional[str], seed: int, fill: bool = True)
     of ALL_REDUCE/REDUCE never read them, so they cost no memory)."""
     rng = np.random.default_rng(seed)
     params = []
-    for spec in get_preset(preset, dtype):
-        dt = as_dtype(spec["dtype"])
+    for spec in get_preset(preset):
+        dt = as_dtype(dtype or spec["dtype"])
         numel = int(np.prod(spec["shape"]))
         data = (rng.random(numel, dtype=np.float32).astype(dt, copy=False) if fill
                 else np.zeros(numel, dt))
@@ -351,11 +354,13 @@ def peak_memory(preset: str, dtype: Optional[str], act: HookAction, group_bytes:
 
 # --------------------------------------------------------------------------- report
 def _fmt_ms(s: float) -> str:
-    return f"{s * 1e3:9.1f}"
+    """Milliseconds: one decimal from 10 ms, three below (small models' steps)."""
+    ms = s * 1e3
+    return f"{ms:9.1f}" if ms >= 10 else f"{ms:9.3f}"
 
 
-def _gbps(nbytes: int, s: float) -> float:
-    return nbytes / s / 1e9 if s > 0 else 0.0
+def _nan(value: Optional[float]) -> float:
+    return float("nan") if value is None else value
 
 
 def write_plot(path: str, res: dict) -> Optional[str]:
@@ -371,7 +376,8 @@ def write_plot(path: str, res: dict) -> Optional[str]:
     sizes = [row["bytes"] for row in sweep]
     for key, style in (("raw_floor", "k-o"), ("mpifusion_thread", "b-s"),
                        ("mpifusion_nonblocking", "g-^"), ("naive_iallreduce", "r--x")):
-        ax1.plot(sizes, [row[key]["busbw_GBps"] for row in sweep], style, label=key)
+        if key in sweep[0]:
+            ax1.plot(sizes, [_nan(row[key]["busbw_GBps"]) for row in sweep], style, label=key)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("message size (bytes)")
     ax1.set_ylabel("busbw (GB/s)")
@@ -381,14 +387,15 @@ def write_plot(path: str, res: dict) -> Optional[str]:
     groups = res["group_sweep"]
     labels = [row["label"] for row in groups]
     nbytes = res["meta"]["grad_bytes"]
-    ax2.bar(labels, [row["busbw_GBps"] for row in groups], color="tab:blue",
+    ax2.bar(labels, [_nan(row["busbw_GBps"]) for row in groups], color="tab:blue",
             label="mpifusion ALL_REDUCE step (thread)")
     floor = res["floor"]
-    ax2.axhline(_gbps(nbytes, floor["median_s"]) * res["meta"]["busbw_factor"], color="k",
+    n = res["meta"]["nranks"]
+    ax2.axhline(_nan(busbw("all_reduce", nbytes, floor["median_s"], n)), color="k",
                 label=f"raw floor: {floor['name']}")
     naive = res["raw"].get("Iallreduce (naive, one call)")
     if naive:
-        ax2.axhline(_gbps(nbytes, naive["median_s"]) * res["meta"]["busbw_factor"], color="r",
+        ax2.axhline(_nan(busbw("all_reduce", nbytes, naive["median_s"], n)), color="r",
                     linestyle="--", label="naive Iallreduce of the flat buffer")
     ax2.set_xlabel("fusion group size (0 = unfused, one buffer per param)")
     ax2.set_ylabel("busbw (GB/s)")
@@ -409,249 +416,494 @@ def _print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
 
 
-# --------------------------------------------------------------------------- main
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="mpifusion bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+# --------------------------------------------------------------------------- arguments
+#: grads at least this large make a sync bandwidth-bound: the speed targets are set for them
+BANDWIDTH_BOUND_BYTES = 64 * MiB
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``mpifusion bench``'s options; usage errors are printed by rank 0 only, exit 2."""
+    from .cli import _Parser, _non_negative, _positive
+
+    ap = _Parser(prog="mpifusion bench", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--preset", default="gpt2-small", help="model whose grads are synced")
-    ap.add_argument("--dtype", default=None, help="override the preset's dtype (fp32, bf16, ...)")
-    ap.add_argument("--group-mb", type=float, default=256.0,
+    ap.add_argument("--dtype", default=None,
+                    help="dtype of every param, as in spec files (float32, bf16, ...)")
+    ap.add_argument("--group-mb", type=_positive_float, default=256.0,
                     help="fusion group size of the main measurements (Paddle's default 256)")
-    ap.add_argument("--group-sweep", default="0,16,64,256,1024",
-                    help="fusion group sizes in MiB to sweep (0: one buffer per param)")
-    ap.add_argument("--size-sweep", default="12:28:2",
-                    help="message sizes 2^a..2^b bytes, step c in the exponent (a:b:c)")
+    ap.add_argument("--group-sweep", default="auto",
+                    help="fusion group sizes in MiB to sweep, e.g. 0,16,64,256,1024 (0: one "
+                    "buffer per param); auto: four sizes up to the model's grads, and 0")
+    ap.add_argument("--size-sweep", default="auto",
+                    help="message sizes 2^a..2^b bytes, step c in the exponent (a:b:c); "
+                    "auto: 2^12 up to the model's grad bytes (at most 2^28), step 2")
     ap.add_argument("--segments-mb", default="4,8,16,32",
                     help="segment sizes (MiB) of the raw blocking candidates")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=_positive, default=5)
+    ap.add_argument("--warmup", type=_non_negative, default=1)
     ap.add_argument("--strategies", default=",".join(commlib.STRATEGIES))
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed gloo")
-    ap.add_argument("--json", default="bench_sync.json", help="where rank 0 writes the results")
-    ap.add_argument("--png", default="bench_sync.png", help="where rank 0 writes the plot")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", default="bench_out", metavar="DIR",
+                    help="folder for the JSON results and the plot (created; git-ignored)")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="results file (default: DIR/bench_PRESET_nRANKS.json)")
+    ap.add_argument("--png", default=None, metavar="FILE",
+                    help="plot file (default: DIR/bench_PRESET_nRANKS.png; '' for none)")
+    return ap
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the benchmark on COMM_WORLD; rank 0 prints the tables and writes JSON and PNG."""
-    args = parse_args(argv)
-    world = MPI.COMM_WORLD
-    comm = world.Dup()  # timing barriers and raw candidates never touch mpifusion's comms
-    rank, n = comm.Get_rank(), comm.Get_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    strategies = [commlib.parse_strategy(s, '--strategies') for s in args.strategies.split(",") if s]
-    group_bytes = int(args.group_mb * MiB)
-    t_start = time.perf_counter()
-    res: Dict[str, Any] = {}
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
 
-    params = make_params(args.preset, args.dtype, seed=rank, fill=False)  # shapes, for raw runs
-    nparams = len(params)
-    res["meta"] = {
-        "preset": args.preset, "dtype": str(params[0].data.dtype), "params": nparams,
-        "param_bytes": int(sum(p.data.nbytes for p in params)), "nranks": n,
-        "mpi": mpi_name(),
-        "mpi4py": __import__("mpi4py").__version__, "numpy": np.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "thread_level": MPI.Query_thread(),
-        "default_strategy": _DEFAULT,
-        "default_segment_bytes": _default_segment(),
-        "group_bytes": group_bytes, "iters": args.iters, "warmup": args.warmup,
-        "busbw_factor": bus_factor("allreduce", n),
+
+def _bad(option: str, expected: str, text: str) -> OptionError:
+    return OptionError(f"{option}: expected {expected}, got {text!r}")
+
+
+def _mib_list(text: str, option: str, allow_zero: bool) -> List[float]:
+    """``"0,16,64"`` -> MiB values (>= 0, or > 0), in the given order."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 or (v == 0 and not allow_zero) or v != v or v == float("inf")
+                         for v in values):
+        raise _bad(option, f"comma-separated MiB {'>= 0' if allow_zero else '> 0'}", text)
+    return values
+
+
+def _exponents(text: str) -> range:
+    """``"12:28:2"`` -> range(12, 29, 2): message sizes 2^e bytes (4 B to 1 GiB)."""
+    try:
+        lo, hi, step = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise _bad("--size-sweep", "a:b:c with ints a <= b and c >= 1, or auto", text) from None
+    if not (2 <= lo <= hi <= 30 and step >= 1):
+        raise _bad("--size-sweep", "a:b:c with 2 <= a <= b <= 30 and c >= 1", text)
+    return range(lo, hi + 1, step)
+
+
+def auto_size_sweep(nbytes: int) -> List[int]:
+    """Message sizes 4 KiB, 16 KiB, ... up to the first power of two >= ``nbytes`` (at most
+    256 MiB): the sweep of a tiny model stops where its grads do."""
+    top = min(28, max(12, math.ceil(math.log2(max(nbytes, 1)))))
+    sizes = [1 << e for e in range(12, top + 1, 2)]
+    return sizes if sizes[-1] == 1 << top else sizes + [1 << top]
+
+
+def auto_group_sweep(nbytes: int) -> List[float]:
+    """0 (one buffer per param) and the four sizes of the ladder 1/64, 1/16, ... 1024 MiB
+    that end at the first one holding all ``nbytes`` (GPT-2-small: 0, 16, 64, 256, 1024)."""
+    ladder = [4.0 ** k for k in range(-3, 6)]  # 1/64 MiB .. 1024 MiB
+    upto = next((i for i, g in enumerate(ladder) if g * MiB >= nbytes), len(ladder) - 1)
+    return [0.0] + ladder[max(0, upto - 3):upto + 1]
+
+
+@dataclass
+class Settings:
+    """The validated arguments: the same on every rank, so every rank refuses alike."""
+
+    preset: str
+    dtype: Optional[str]
+    group_bytes: int
+    group_sweep: Optional[List[float]]  # None: auto, from the model's grad bytes
+    size_sweep: Optional[List[int]]     # None: auto
+    segments: List[int]
+    strategies: List[str]
+    iters: int
+    warmup: int
+    torch: bool
+    json_path: Optional[str]
+    png_path: Optional[str]
+
+
+def settings(args: argparse.Namespace, nranks: int) -> Settings:
+    """Check every argument before anything is measured (OptionError/PresetError/SpecError,
+    one line naming the option)."""
+    dtype = normalize_dtype(args.dtype, "--dtype") if args.dtype is not None else None
+    get_preset(args.preset)  # PresetError names the valid presets
+    strategies = [commlib.parse_strategy(s.strip(), "--strategies")
+                  for s in args.strategies.split(",") if s.strip()]
+    if not strategies:
+        raise _bad("--strategies", f"a comma-separated list of {', '.join(commlib.STRATEGIES)}",
+                   args.strategies)
+    base = os.path.join(args.out, f"bench_{args.preset}_n{nranks}")
+    return Settings(
+        preset=args.preset, dtype=dtype, group_bytes=int(args.group_mb * MiB),
+        group_sweep=(None if args.group_sweep == "auto"
+                     else _mib_list(args.group_sweep, "--group-sweep", allow_zero=True)),
+        size_sweep=(None if args.size_sweep == "auto"
+                    else [1 << e for e in _exponents(args.size_sweep)]),
+        segments=[int(x * MiB) for x in _mib_list(args.segments_mb, "--segments-mb", False)],
+        strategies=list(dict.fromkeys(strategies)), iters=args.iters, warmup=args.warmup,
+        torch=not args.no_torch,
+        json_path=base + ".json" if args.json is None else (args.json or None),
+        png_path=base + ".png" if args.png is None else (args.png or None))
+
+
+def _prepare_outputs(s: Settings) -> Optional[str]:
+    """Create the output folders (rank 0); a one-line error, or None."""
+    for path in (s.json_path, s.png_path):
+        folder = os.path.dirname(path) if path else ""
+        if folder:
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as exc:
+                return f"--out: cannot create {folder}: {exc.strerror or exc}"
+            if not os.access(folder, os.W_OK):
+                return f"--out: cannot write into {folder}"
+    return None
+
+
+# --------------------------------------------------------------------------- measurements
+@dataclass
+class Bench:
+    """One benchmark run: settings, communicators and the results dict ``res`` that the
+    measurements fill in and the report reads (each section its own key)."""
+
+    s: Settings
+    world: MPI.Comm
+    comm: MPI.Comm  # a duplicate: barriers and raw candidates never touch mpifusion's comms
+    res: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def n(self) -> int:
+        return self.comm.Get_size()
+
+    def say(self, line: str) -> None:
+        if self.rank == 0:
+            print(line, flush=True)
+
+    def params(self, fill: bool = False) -> List[Param]:
+        return make_params(self.s.preset, self.s.dtype, seed=self.rank, fill=fill)
+
+    def buffers(self, act: HookAction, strategy: str, group_bytes: Optional[int] = None,
+                **kwargs: Any) -> List[FusedCommBuffer]:
+        return build_buffers(self.params(), act, self.s.group_bytes if group_bytes is None
+                             else group_bytes, self.comm, strategy, **kwargs)
+
+
+def measure_meta(b: Bench) -> None:
+    params = b.params()
+    b.res["meta"] = {
+        "preset": b.s.preset, "dtype": str(params[0].data.dtype), "params": len(params),
+        "param_bytes": int(sum(p.data.nbytes for p in params)), "nranks": b.n,
+        "mpi": mpi_name(), "mpi4py": __import__("mpi4py").__version__,
+        "numpy": np.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "thread_level": MPI.Query_thread(), "default_strategy": _DEFAULT,
+        "default_segment_bytes": _default_segment(), "group_bytes": b.s.group_bytes,
+        "iters": b.s.iters, "warmup": b.s.warmup,
+        "busbw_factor": bus_factor("all_reduce", b.n),
     }
-    say(f"# mpifusion bench: {args.preset} ({nparams} params, "
-        f"{res['meta']['param_bytes'] / 1e6:.0f} MB {res['meta']['dtype']}), {n} ranks, "
-        f"{res['meta']['mpi']}, mpi4py {res['meta']['mpi4py']}")
+    m = b.res["meta"]
+    b.say(f"# mpifusion bench: {m['preset']} ({m['params']} params, "
+          f"{m['param_bytes'] / 1e6:.3g} MB {m['dtype']}), {b.n} ranks, {m['mpi']}, "
+          f"mpi4py {m['mpi4py']}")
 
-    # -- 1. ALL_REDUCE: mpifusion's step per strategy vs raw MPI and gloo, in rounds
-    say("# measuring ALL_REDUCE steps against raw MPI and gloo (in rounds) ...")
-    steps: Dict[str, dict] = {}
+
+def measure_allreduce_steps(b: Bench) -> None:
+    """mpifusion's ALL_REDUCE step per strategy against raw MPI and gloo, in rounds."""
+    b.say("# measuring ALL_REDUCE steps against raw MPI and gloo (in rounds) ...")
     fns: Dict[str, Callable[[], Any]] = {}
     meta_of: Dict[str, dict] = {}
-    keep: List[Any] = []
-    variants = [(s, False) for s in strategies] + [(_DEFAULT, True)]
-    for strategy, avg in variants:
-        buffers = build_buffers(make_params(args.preset, args.dtype, rank, fill=False),
-                                HookAction.ALL_REDUCE, group_bytes, comm, strategy,
-                                use_reduce_avg=avg)
+    keep = []
+    for strategy, avg in [(s, False) for s in b.s.strategies] + [(_DEFAULT, True)]:
+        buffers = b.buffers(HookAction.ALL_REDUCE, strategy, use_reduce_avg=avg)
         keep.append(buffers)
         label = (f"ALL_REDUCE{' (use_reduce_avg: 1/n per segment)' if avg else ''} "
                  f"[{strategy}]")
-        fns[label] = (lambda b=buffers: full_step(b, False))
+        fns[label] = (lambda bufs=buffers: full_step(bufs, False))
         meta_of[label] = {"action": "ALL_REDUCE", "strategy": strategy, "reduce_avg": avg,
                           "buffers": len(buffers), "bytes": grad_bytes(buffers)}
-    nbytes = meta_of[f"ALL_REDUCE [{strategies[0]}]"]["bytes"]
-    res["meta"]["grad_bytes"] = nbytes
-    say(f"# grads: {nbytes / 1e6:.1f} MB in fused buffers of {args.group_mb:g} MiB groups")
-    segments = [int(float(x) * MiB) for x in args.segments_mb.split(",") if x]
-    raw_fns = raw_candidates(comm, nbytes, params, 1.0 / n, segments)
-    gloo = None if args.no_torch else gloo_allreduce(comm, nbytes)
+    nbytes = meta_of[f"ALL_REDUCE [{b.s.strategies[0]}]"]["bytes"]
+    b.res["meta"]["grad_bytes"] = nbytes
+    b.say(f"# grads: {nbytes / 1e6:.3g} MB in fused buffers of {b.s.group_bytes / MiB:g} MiB "
+          f"groups")
+    raw_fns = raw_candidates(b.comm, nbytes, b.params(), 1.0 / b.n, b.s.segments)
+    gloo = gloo_allreduce(b.comm, nbytes) if b.s.torch else None
     gloo_key = None
     if gloo is not None and "error" not in gloo:
         gloo_key = f"torch {gloo['torch']} gloo all_reduce (one call)"
         raw_fns[gloo_key] = gloo["fn"]
     elif gloo is not None:
-        res["gloo_error"] = gloo["error"]
-    timed = timeit_many({**fns, **raw_fns}, comm, args.iters, args.warmup)
+        b.res["gloo_error"] = gloo["error"]
+    timed = timeit_many({**fns, **raw_fns}, b.comm, b.s.iters, b.s.warmup)
     if gloo_key:
         gloo["close"]()
-    for label in fns:
-        steps[label] = dict(timed[label], **meta_of[label])
-    raw = {k: timed[k] for k in raw_fns}
-    del keep, fns, raw_fns, gloo
+    b.res["steps"] = {k: dict(timed[k], **meta_of[k]) for k in fns}
+    b.res["raw"] = {k: timed[k] for k in raw_fns}
+    del keep
 
-    # -- 2. REDUCE and REDUCE_SCATTER + sync_params, per strategy, vs their raw floors
-    say("# measuring REDUCE and REDUCE_SCATTER steps (in rounds) ...")
-    fns, keep = {}, []
-    for strategy in strategies:
+
+def measure_other_steps(b: Bench) -> None:
+    """REDUCE and REDUCE_SCATTER + sync_params per strategy against their raw floors."""
+    b.say("# measuring REDUCE and REDUCE_SCATTER steps (in rounds) ...")
+    fns: Dict[str, Callable[[], Any]] = {}
+    meta_of: Dict[str, dict] = {}
+    keep = []
+    for strategy in b.s.strategies:
         for act in (HookAction.REDUCE, HookAction.REDUCE_SCATTER):
-            buffers = build_buffers(make_params(args.preset, args.dtype, rank, fill=False),
-                                    act, group_bytes, comm, strategy)
+            buffers = b.buffers(act, strategy)
             keep.append(buffers)
             sync = act == HookAction.REDUCE_SCATTER
             label = f"{act.name}{' + sync_params' if sync else ''} [{strategy}]"
-            fns[label] = (lambda b=buffers, y=sync: full_step(b, y))
+            fns[label] = (lambda bufs=buffers, y=sync: full_step(bufs, y))
             meta_of[label] = {"action": act.name, "strategy": strategy, "reduce_avg": False,
                               "buffers": len(buffers), "bytes": grad_bytes(buffers)}
-    other = raw_other(comm, nbytes)
-    timed = timeit_many({**fns, **other}, comm, args.iters, args.warmup)
-    for label in fns:
-        steps[label] = dict(timed[label], **meta_of[label])
-    raw.update({k: timed[k] for k in other})
-    del keep, fns, other
-    res["steps"] = steps
-    res["raw"] = raw
-    floor_names = [k for k in raw if k.startswith("Allreduce")]
-    floor_name = min(floor_names, key=lambda k: raw[k]["median_s"])
-    res["floor"] = dict(raw[floor_name], name=floor_name)
-    scaled_names = [k for k in raw if k.startswith("floor+scale")]
-    sfloor_name = min(scaled_names, key=lambda k: raw[k]["median_s"])
-    res["floor_with_scale"] = dict(raw[sfloor_name], name=sfloor_name)
+    other = raw_other(b.comm, b.res["meta"]["grad_bytes"])
+    timed = timeit_many({**fns, **other}, b.comm, b.s.iters, b.s.warmup)
+    b.res["steps"].update({k: dict(timed[k], **meta_of[k]) for k in fns})
+    b.res["raw"].update({k: timed[k] for k in other})
+    raw = b.res["raw"]
+    floor = min((k for k in raw if k.startswith("Allreduce")), key=lambda k: raw[k]["median_s"])
+    b.res["floor"] = dict(raw[floor], name=floor)
+    scaled = min((k for k in raw if k.startswith("floor+scale")),
+                 key=lambda k: raw[k]["median_s"])
+    b.res["floor_with_scale"] = dict(raw[scaled], name=scaled)
+    del keep
 
-    # -- 3. message size sweep (single buffer), busbw
-    say("# sweeping message sizes and fusion group sizes ...")
-    lo, hi, st = (int(x) for x in args.size_sweep.split(":"))
-    sweep = []
-    comms = {s: Communicator(world, CommOptions(strategy=s)) for s in strategies}
-    for e in range(lo, hi + 1, st):
-        size = 1 << e
-        buf = np.ones(size // 4, np.float32)
-        iters = int(min(200, max(args.iters, 2e8 / size)))
-        row: Dict[str, Any] = {"bytes": size}
-        fns = {"raw_floor": lambda: _raw_best(comm, buf, _default_segment()),
-               "naive_iallreduce": lambda: comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.FLOAT]).Wait()}
+
+def measure_size_sweep(b: Bench) -> None:
+    """One buffer of each size: the raw floor, a naive Iallreduce and each Communicator."""
+    b.say("# sweeping message sizes and fusion group sizes ...")
+    sizes = b.s.size_sweep or auto_size_sweep(b.res["meta"]["grad_bytes"])
+    comms = {s: Communicator(b.world, CommOptions(strategy=s)) for s in b.s.strategies}
+    rows = []
+    for size in sizes:
+        buf = np.ones(max(1, size // 4), np.float32)
+        iters = int(min(200, max(b.s.iters, 2e8 / size)))
+        fns = {"raw_floor": lambda: _raw_best(b.comm, buf, _default_segment()),
+               "naive_iallreduce": lambda: b.comm.Iallreduce(MPI.IN_PLACE,
+                                                             [buf, MPI.FLOAT]).Wait()}
         for s, c in comms.items():
             fns[f"mpifusion_{s}"] = (lambda c=c: c.allreduce(buf).wait())
-        for key, r in timeit_many(fns, comm, iters, max(1, args.warmup)).items():
-            algbw = _gbps(size, r["median_s"])
-            row[key] = {"median_s": r["median_s"], "algbw_GBps": algbw,
-                        "busbw_GBps": algbw * bus_factor("allreduce", n)}
-        sweep.append(row)
-    res["size_sweep"] = sweep
+        row: Dict[str, Any] = {"bytes": size}
+        for key, r in timeit_many(fns, b.comm, iters, max(1, b.s.warmup)).items():
+            row[key] = {"median_s": r["median_s"], "algbw_GBps": algbw(size, r["median_s"]),
+                        "busbw_GBps": busbw("all_reduce", size, r["median_s"], b.n)}
+        rows.append(row)
+    for c in comms.values():
+        c.barrier()
+    b.res["size_sweep"] = rows
 
-    # -- 4. fusion group size sweep (default strategy)
-    gsweep = []
-    for g in (float(x) for x in args.group_sweep.split(",") if x):
-        buffers = build_buffers(make_params(args.preset, args.dtype, rank, fill=False),
-                                HookAction.ALL_REDUCE, int(g * MiB), comm,
-                                _DEFAULT)
-        r = timeit(lambda b=buffers: full_step(b, False), comm, args.iters, args.warmup)
-        gsweep.append({"label": f"{g:g}", "group_mib": g, "buffers": len(buffers),
-                       "median_s": r["median_s"],
-                       "busbw_GBps": _gbps(nbytes, r["median_s"]) * bus_factor("allreduce", n)})
+
+def measure_group_sweep(b: Bench) -> None:
+    """The full ALL_REDUCE step (default strategy) at each fusion group size."""
+    nbytes = b.res["meta"]["grad_bytes"]
+    rows = []
+    for g in b.s.group_sweep or auto_group_sweep(nbytes):
+        buffers = b.buffers(HookAction.ALL_REDUCE, _DEFAULT, group_bytes=int(g * MiB))
+        r = timeit(lambda bufs=buffers: full_step(bufs, False), b.comm, b.s.iters, b.s.warmup)
+        rows.append({"label": f"{g:g}", "group_mib": g, "buffers": len(buffers),
+                     "median_s": r["median_s"],
+                     "busbw_GBps": busbw("all_reduce", nbytes, r["median_s"], b.n)})
         del buffers
-    res["group_sweep"] = gsweep
+    b.res["group_sweep"] = rows
 
-    # -- 5. overlap with emulated compute (OSU), add_grad cost
-    say("# overlap, add_grad cost, peak memory ...")
-    res["overlap"] = {}
-    for strategy in strategies:
-        buffers = build_buffers(make_params(args.preset, args.dtype, rank, fill=False),
-                                HookAction.ALL_REDUCE, group_bytes, comm, strategy)
+
+def measure_overlap_and_add_grad(b: Bench) -> None:
+    """Overlap with emulated compute (OSU) per strategy; add_grad cost (default strategy)."""
+    b.say("# overlap, add_grad cost, peak memory ...")
+    b.res["overlap"] = {}
+    for strategy in b.s.strategies:
+        buffers = b.buffers(HookAction.ALL_REDUCE, strategy)
         for mode in ("device", "cpu"):
-            res["overlap"][f"{strategy}/{mode}"] = overlap(buffers, comm, args.iters,
-                                                           args.warmup, mode)
-        if strategy == _DEFAULT:
-            res["add_grad"] = add_grad_cost(buffers, comm, max(args.iters, 5))
+            b.res["overlap"][f"{strategy}/{mode}"] = overlap(buffers, b.comm, b.s.iters,
+                                                             b.s.warmup, mode)
+        if strategy == _DEFAULT or "add_grad" not in b.res:
+            b.res["add_grad"] = add_grad_cost(buffers, b.comm, max(b.s.iters, 5))
         del buffers
-    del params
 
-    # -- 6. peak memory during steps (fresh params, one action at a time)
-    res["memory"] = {a.name: peak_memory(args.preset, args.dtype, a, group_bytes, comm,
-                                         _DEFAULT) for a in HookAction}
-    res["memory"]["ru_maxrss_kB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    res["meta"]["wall_s"] = time.perf_counter() - t_start
 
-    # -- report
-    step = steps[f"ALL_REDUCE [{_DEFAULT}]"]
-    naive = raw["Iallreduce (naive, one call)"]
-    targets = [
-        ("ALL_REDUCE step / best raw collective", round_ratio(step, res["floor"]), "<= 1.15"),
-        ("ALL_REDUCE step / (best raw collective + 1/n scaling)",
-         round_ratio(step, res["floor_with_scale"]), "<= 1.15"),
-        ("naive flat Iallreduce / ALL_REDUCE step", round_ratio(naive, step), ">= 3"),
+def measure_memory(b: Bench) -> None:
+    """Peak memory during steps, fresh params, one action at a time."""
+    b.res["memory"] = {a.name: peak_memory(b.s.preset, b.s.dtype, a, b.s.group_bytes, b.comm,
+                                           _DEFAULT) for a in HookAction}
+    b.res["memory"]["ru_maxrss_kB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+#: the measurements, in order; each fills its own keys of ``Bench.res``. A new sweep is one
+#: function here and one table in TABLES.
+MEASUREMENTS: List[Callable[[Bench], None]] = [
+    measure_meta, measure_allreduce_steps, measure_other_steps, measure_size_sweep,
+    measure_group_sweep, measure_overlap_and_add_grad, measure_memory,
+]
+
+
+# --------------------------------------------------------------------------- targets
+@dataclass
+class Target:
+    what: str
+    value: float
+    target: str
+    applies: bool = True  # False: set for another regime (e.g. bandwidth-bound syncs)
+
+    @property
+    def met(self) -> bool:
+        return _met(self.value, self.target)
+
+
+def targets(res: dict) -> List[Target]:
+    """The speed and memory targets, each marked whether it applies to this model: the
+    ratios against raw MPI, gloo and the overlap are set for bandwidth-bound syncs."""
+    steps, raw = res["steps"], res["raw"]
+    step = steps[f"ALL_REDUCE [{_DEFAULT}]"] if f"ALL_REDUCE [{_DEFAULT}]" in steps \
+        else next(v for k, v in steps.items() if k.startswith("ALL_REDUCE ["))
+    big = res["meta"]["grad_bytes"] >= BANDWIDTH_BOUND_BYTES
+    out = [
+        Target("ALL_REDUCE step / best raw collective", round_ratio(step, res["floor"]),
+               "<= 1.15", big),
+        Target("ALL_REDUCE step / (best raw collective + 1/n scaling)",
+               round_ratio(step, res["floor_with_scale"]), "<= 1.15", big),
+        Target("naive flat Iallreduce / ALL_REDUCE step",
+               round_ratio(raw["Iallreduce (naive, one call)"], step), ">= 3", big),
     ]
     gloo_key = next((k for k in raw if "gloo" in k), None)
     if gloo_key:
-        targets.append(("torch gloo all_reduce / ALL_REDUCE step",
-                        round_ratio(raw[gloo_key], step), ">= 4"))
+        out.append(Target("torch gloo all_reduce / ALL_REDUCE step",
+                          round_ratio(raw[gloo_key], step), ">= 4", big))
     ov = res["overlap"].get(f"{_DEFAULT}/device")
     if ov:
-        targets.append(("overlap with emulated (device) compute, %", ov["overlap_pct"], ">= 80"))
-    targets.append(("add_grad per param, us", res["add_grad"]["per_param_s"] * 1e6, "<= 3"))
-    targets.append(("peak memory / (params + grads + padding), ALL_REDUCE",
-                    res["memory"]["ALL_REDUCE"]["ratio"], "<= 1.05"))
-    res["targets"] = [{"what": w, "value": v, "target": t, "met": _met(v, t)}
-                      for w, v, t in targets]
+        out.append(Target("overlap with emulated (device) compute, %", ov["overlap_pct"],
+                          ">= 80", big))
+    out.append(Target("add_grad per param, us", res["add_grad"]["per_param_s"] * 1e6, "<= 3"))
+    out.append(Target("peak memory / (params + grads + padding), ALL_REDUCE",
+                      res["memory"]["ALL_REDUCE"]["ratio"], "<= 1.05", big))
+    return out
 
-    if rank == 0:
-        bf = bus_factor("allreduce", n)
-        _print_table("mpifusion full steps (add_grad of every param, comm, scale)",
-                     ["step", "buffers", "median ms", "min ms", "busbw GB/s", "x floor"],
-                     [[k, v["buffers"], _fmt_ms(v["median_s"]), _fmt_ms(v["min_s"]),
-                       f"{_gbps(v['bytes'], v['median_s']) * bf:.2f}",
-                       f"{v['median_s'] / res['floor']['median_s']:.2f}"]
-                      for k, v in steps.items()])
-        _print_table(f"raw MPI on one contiguous buffer of {nbytes / 1e6:.0f} MB",
-                     ["way", "median ms", "min ms", "busbw GB/s", "x floor"],
-                     [[k, _fmt_ms(v["median_s"]), _fmt_ms(v["min_s"]),
-                       f"{_gbps(nbytes, v['median_s']) * bf:.2f}",
-                       f"{v['median_s'] / res['floor']['median_s']:.2f}"]
-                      for k, v in raw.items()])
-        keys = [k for k in sweep[0] if k != "bytes"]
-        _print_table("allreduce size sweep: busbw GB/s "
-                     "(algbw = bytes/time, busbw = algbw*2(n-1)/n)",
-                     ["bytes"] + keys,
-                     [[r["bytes"]] + [f"{r[k]['busbw_GBps']:.2f}" for k in keys] for r in sweep])
-        _print_table("fusion group size sweep (ALL_REDUCE full step, default strategy)",
-                     ["group MiB", "buffers", "median ms", "busbw GB/s"],
-                     [[g["label"], g["buffers"], _fmt_ms(g["median_s"]),
-                       f"{g['busbw_GBps']:.2f}"] for g in gsweep])
-        _print_table("overlap with emulated compute (OSU: 1 - (total - compute) / pure)",
-                     ["strategy/compute", "pure ms", "total ms", "overlap %"],
-                     [[k, _fmt_ms(v["pure_s"]), _fmt_ms(v["total_s"]), f"{v['overlap_pct']:.0f}"]
-                      for k, v in res["overlap"].items()])
-        _print_table("peak memory during steps (tracemalloc, slowest rank)",
-                     ["action", "params+grads+padding MB", "peak MB", "ratio"],
-                     [[k, f"{v['ideal_bytes'] / 1e6:.1f}", f"{v['peak_bytes'] / 1e6:.1f}",
-                       f"{v['ratio']:.3f}"] for k, v in res["memory"].items()
-                      if isinstance(v, dict)])
-        _print_table("targets (ratios within this run: median over rounds of the per-round ratio)",
-                     ["what", "value", "target", "met"],
-                     [[t["what"], f"{t['value']:.2f}", t["target"], "yes" if t["met"] else "NO"]
-                      for t in res["targets"]])
-        if "gloo_error" in res:
-            print(f"\n(torch gloo skipped: {res['gloo_error']})")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(res, fh, indent=1, default=str)
-        note = write_plot(args.png, res) if args.png else None
-        print(f"\nwall time {res['meta']['wall_s']:.0f} s; wrote {args.json or '-'}, "
-              f"{(note or args.png) or '-'}")
-        sys.stdout.flush()
-    comm.Barrier()
-    for c in comms.values():
-        c.barrier()
-    comm.Free()
+
+# --------------------------------------------------------------------------- report
+def _kind(label: str) -> str:
+    """The collective of a step or raw row, for its busbw factor."""
+    if label.startswith("REDUCE_SCATTER"):
+        return "reduce_scatter+allgather"
+    if label.startswith("REDUCE"):
+        return "reduce"
+    return "all_reduce"
+
+
+def _x_floor(v: dict, res: dict) -> str:
+    floor = res["floor"]["median_s"]
+    return f"{v['median_s'] / floor:.2f}" if floor > 0 else "-"
+
+
+def table_steps(res: dict) -> tuple:
+    n = res["meta"]["nranks"]
+    return ("mpifusion full steps (add_grad of every param, comm, scale)",
+            ["step", "buffers", "median ms", "min ms", "busbw GB/s", "x floor"],
+            [[k, v["buffers"], _fmt_ms(v["median_s"]), _fmt_ms(v["min_s"]),
+              fmt_gbps(busbw(_kind(k), v["bytes"], v["median_s"], n), 2), _x_floor(v, res)]
+             for k, v in res["steps"].items()])
+
+
+def table_raw(res: dict) -> tuple:
+    n, nbytes = res["meta"]["nranks"], res["meta"]["grad_bytes"]
+    return (f"raw MPI on one contiguous buffer of {nbytes / 1e6:.3g} MB",
+            ["way", "median ms", "min ms", "busbw GB/s", "x floor"],
+            [[k, _fmt_ms(v["median_s"]), _fmt_ms(v["min_s"]),
+              fmt_gbps(busbw(_kind(k.replace(" raw:", "")), nbytes, v["median_s"], n), 2),
+              _x_floor(v, res)] for k, v in res["raw"].items()])
+
+
+def table_size_sweep(res: dict) -> tuple:
+    sweep = res["size_sweep"]
+    keys = [k for k in sweep[0] if k != "bytes"]
+    return ("allreduce size sweep: busbw GB/s (algbw = bytes/time, busbw = algbw*2(n-1)/n)",
+            ["bytes"] + keys,
+            [[r["bytes"]] + [fmt_gbps(r[k]["busbw_GBps"], 2) for k in keys] for r in sweep])
+
+
+def table_group_sweep(res: dict) -> tuple:
+    return ("fusion group size sweep (ALL_REDUCE full step, default strategy)",
+            ["group MiB", "buffers", "median ms", "busbw GB/s"],
+            [[g["label"], g["buffers"], _fmt_ms(g["median_s"]), fmt_gbps(g["busbw_GBps"], 2)]
+             for g in res["group_sweep"]])
+
+
+def table_overlap(res: dict) -> tuple:
+    return ("overlap with emulated compute (OSU: 1 - (total - compute) / pure)",
+            ["strategy/compute", "pure ms", "total ms", "overlap %"],
+            [[k, _fmt_ms(v["pure_s"]), _fmt_ms(v["total_s"]), f"{v['overlap_pct']:.0f}"]
+             for k, v in res["overlap"].items()])
+
+
+def table_memory(res: dict) -> tuple:
+    return ("peak memory during steps (tracemalloc, slowest rank)",
+            ["action", "params+grads+padding MB", "peak MB", "ratio"],
+            [[k, f"{v['ideal_bytes'] / 1e6:.3g}", f"{v['peak_bytes'] / 1e6:.3g}",
+              f"{v['ratio']:.3f}"] for k, v in res["memory"].items() if isinstance(v, dict)])
+
+
+def table_targets(res: dict) -> tuple:
+    shown = [t for t in res["targets"] if t["applies"]]
+    return ("targets (ratios within this run: median over rounds of the per-round ratio)",
+            ["what", "value", "target", "met"],
+            [[t["what"], f"{t['value']:.2f}", t["target"], "yes" if t["met"] else "NO"]
+             for t in shown])
+
+
+#: the report's tables, in order: each takes ``res`` and gives (title, header, rows)
+TABLES: List[Callable[[dict], tuple]] = [
+    table_steps, table_raw, table_size_sweep, table_group_sweep, table_overlap, table_memory,
+    table_targets,
+]
+
+
+def report(res: dict, s: Settings) -> None:
+    """Rank 0: the tables, then the files."""
+    for table in TABLES:
+        _print_table(*table(res))
+    hidden = [t for t in res["targets"] if not t["applies"]]
+    if hidden:
+        print(f"\n({len(hidden)} target(s) not shown: they are set for bandwidth-bound syncs of "
+              f">= {BANDWIDTH_BOUND_BYTES // MiB} MiB of grads; this model has "
+              f"{res['meta']['grad_bytes'] / 1e6:.3g} MB. Try --preset gpt2-small.)")
+    if "gloo_error" in res:
+        print(f"\n(torch gloo skipped: {res['gloo_error']})")
+    if s.json_path:
+        with open(s.json_path, "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+    note = write_plot(s.png_path, res) if s.png_path else None
+    wrote = [p for p in (s.json_path, None if note else s.png_path) if p]
+    print(f"\nwall time {res['meta']['wall_s']:.0f} s; wrote {', '.join(wrote) or 'nothing'}"
+          f"{'; ' + note if note else ''}")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark on COMM_WORLD; rank 0 prints the tables and writes JSON and PNG.
+    Bad arguments raise (OptionError, PresetError, SpecError) on every rank before anything
+    is measured; the command line turns them into one line and exit 2."""
+    args = build_parser().parse_args(argv)
+    world = MPI.COMM_WORLD
+    s = settings(args, world.Get_size())
+    error = _prepare_outputs(s) if world.Get_rank() == 0 else None
+    error = world.bcast(error, root=0)
+    if error is not None:
+        raise OptionError(error)
+    b = Bench(s, world, world.Dup())
+    t_start = time.perf_counter()
+    for measure in MEASUREMENTS:
+        measure(b)
+    b.res["meta"]["wall_s"] = time.perf_counter() - t_start
+    b.res["targets"] = [dict(vars(t), met=t.met) for t in targets(b.res)]
+    if b.rank == 0:
+        report(b.res, s)
+    b.comm.Barrier()
+    b.comm.Free()
     return 0
 
 

@@ -403,8 +403,7 @@ def collect_info() -> dict:
     from .slurm import slurm_view, view_json
 
     return {
-        # Open MPI ends its version string with a NUL byte
-        "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
         "mpi_standard": f"{version[0]}.{version[1]}",
         "thread_level": level_name,
         "world_size": MPI.COMM_WORLD.Get_size(),
@@ -456,8 +455,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
+    """Bad arguments: one line from rank 0 and exit 2 on every rank (checked on every rank
+    before anything is measured), as for the other subcommands."""
     bench = importlib.import_module("mpifusion.tools.bench")
-    return int(bench.main(list(argv)) or 0)
+    try:
+        return int(bench.main(list(argv)) or 0)
+    except SystemExit as exc:  # --help, usage errors (printed by rank 0)
+        return exc.code if isinstance(exc.code, int) else EXIT_INPUT
+    except _input_errors() as exc:
+        return _error("bench", str(exc))
 
 
 _COMMANDS = {"layout": cmd_layout, "run": cmd_run, "check": cmd_check, "info": cmd_info,

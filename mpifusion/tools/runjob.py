@@ -32,6 +32,7 @@ from ..runtime.param import Param
 from ..config import CommOptions
 from ..errors import LayoutError
 from ..plan.grouping import PlanError, grad_dtype_for, split_groups
+from .bandwidth import algbw, bus_factor, fmt_gbps
 from .render import buffer_summary
 from ..spec import Spec
 
@@ -41,16 +42,12 @@ TABLE_SIZE = 1_000_003
 #: key namespaces of GradSource.start: gradients, initial params, params after an update
 GRAD, INIT, UPDATE = 0, 1, 2
 
+#: printed before the verdict of a one-rank job (e.g. ``mpifusion run`` without ``mpiexec``)
+ONE_RANK_NOTE = ("note: this job has 1 rank, so no gradient crossed ranks; start more with "
+                 "mpiexec -n N mpifusion run ... (or srun -n N mpifusion run ...)")
+
 #: show a progress bar when the first step predicts a run longer than this (seconds)
 PROGRESS_AFTER_S = 5.0
-
-#: nccl-tests' bus-bandwidth factors (n = ranks): what each rank's link must carry
-BUS_FACTOR: dict = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce": lambda n: 1.0,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-}
 
 
 def agree(comm: MPI.Comm, error: Optional[str]) -> Optional[str]:
@@ -363,8 +360,11 @@ def _progress(total: int, initial: int):
                 dynamic_ncols=True)
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+def _bw(nbytes: int, seconds: float, factor: float) -> str:
+    """``algbw X GB/s, busbw Y GB/s`` (tools.bandwidth's definitions)."""
+    alg = algbw(nbytes, seconds)
+    return (f"algbw {fmt_gbps(alg)} GB/s, "
+            f"busbw {fmt_gbps(None if alg is None else alg * factor)} GB/s")
 
 
 def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
@@ -418,7 +418,7 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
     bar = None
     history = []
     sync_bad: list = []
-    factor = BUS_FACTOR[spec.act](size)
+    factor = bus_factor(spec.act, size)
     started = time.perf_counter()
     for step in range(options.steps):
         comm.Barrier()
@@ -431,10 +431,9 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         worst = np.empty_like(mine)
         comm.Allreduce(mine, worst, op=MPI.MAX)  # the slowest rank sets the step time
         history.append(worst)
-        algbw = _gbps(grad_bytes, worst[3])
         line = (f"step {step + 1}/{options.steps}: {worst[0] * 1e3:.2f} ms (backward "
                 f"{worst[1] * 1e3:.2f}, wait {worst[2] * 1e3:.2f}), comm {worst[3] * 1e3:.2f} ms, "
-                f"algbw {algbw:.3f} GB/s, busbw {algbw * factor:.3f} GB/s")
+                f"{_bw(grad_bytes, worst[3], factor)}")
         if spec.act == "reduce_scatter":
             line += f", sync_params {worst[4] * 1e3:.2f} ms"
         if bar is not None:
@@ -474,20 +473,20 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         worst_name = max(merged, key=lambda n: merged[n][0])
         w = merged[worst_name]
         med = np.median(np.array(history), axis=0)
-        algbw = _gbps(grad_bytes, med[3])
         out(f"median step {med[0] * 1e3:.2f} ms, comm {med[3] * 1e3:.2f} ms over "
-            f"{grad_bytes} grad bytes: algbw {algbw:.3f} GB/s, busbw {algbw * factor:.3f} GB/s "
+            f"{grad_bytes} grad bytes: {_bw(grad_bytes, med[3], factor)} "
             f"({spec.act}, busbw = algbw * {factor:.3g})")
-        if spec.act == "reduce_scatter" and med[4] > 0:
-            ag = _gbps(param_bytes, med[4])
-            out(f"sync_params {med[4] * 1e3:.2f} ms over {param_bytes} param bytes: algbw "
-                f"{ag:.3f} GB/s, busbw {ag * BUS_FACTOR['allgather'](size):.3f} GB/s")
+        if spec.act == "reduce_scatter":
+            out(f"sync_params {med[4] * 1e3:.2f} ms over {param_bytes} param bytes: "
+                f"{_bw(param_bytes, med[4], bus_factor('allgather', size))}")
         checked = sum(r[4] for r in merged.values())
         out(f"max error: {w[1]:.3g} abs, {w[2]:.3g} rel, {format_ratio(w[0])} of the bound "
             f"(param {worst_name}, rank {w[5]}); {checked} elements checked over "
             f"{options.steps} step(s)")
         if spec.act == "reduce_scatter":
             out(f"sync_params: {'exact' if not bad_sync else 'WRONG for ' + ', '.join(bad_sync[:10])}")
+        if size == 1:
+            out(ONE_RANK_NOTE)
         if failing or bad_sync:
             names = ", ".join(failing[:10]) + (" ..." if len(failing) > 10 else "")
             why = []

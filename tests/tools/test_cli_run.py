@@ -112,3 +112,34 @@ def test_mixed_dtype_spec_passes(tmp_path, act):
                     ' {"name": "b", "shape": [5, 3], "dtype": "bf16"}]}')
     out = _passed(mpiexec(3, "run", "--no-progress", "--spec", str(spec), "--act", act))
     assert "float32 grads" in out and "bfloat16 grads" in out
+
+
+def test_one_rank_says_so_and_how_to_start_more():
+    proc = mpiexec(1, "run", "--no-progress", "--steps", "1")
+    out = _passed(proc)
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("note: this job has 1 rank") and "mpiexec -n N" in lines[-2]
+    out = _passed(mpiexec(2, "run", "--no-progress", "--steps", "1"))
+    assert "note:" not in out
+
+
+def test_dtype_takes_what_spec_files_take():
+    out = _passed(mpiexec(2, "run", "--no-progress", "--steps", "1", "--dtype", "float64"))
+    # float64 params: float64 grads (no fp32 main grad), bound with fp64's unit roundoff
+    assert "dtype float64, grad dtype float64" in out and "use_main_grad False" in out
+    out = _passed(mpiexec(2, "run", "--no-progress", "--steps", "1", "--dtype", "fp16"))
+    assert "dtype float16, grad dtype float32" in out
+
+
+@pytest.mark.parametrize("average, code", [(False, 2), (True, 0), (None, 0)])
+def test_run_refuses_a_spec_that_asks_for_the_sum(tmp_path, average, code):
+    doc = {"params": [{"name": "w", "shape": [5, 7], "dtype": "fp32"}], "acc_steps": 1}
+    if average is not None:
+        doc["average"] = average
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(doc))
+    proc = mpiexec(2, "run", "--no-progress", "--steps", "1", "--spec", str(spec))
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    if code == 2:
+        assert proc.stderr.count(f"{spec}: average: run always averages") == 1, proc.stderr
+        assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr
