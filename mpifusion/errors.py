@@ -27,8 +27,9 @@ class CheckInError(FusionError):
     """Communication asked for while some params have not checked in yet."""
 
 
-class NanInfError(FusionError, FloatingPointError):
-    """NaN or Inf found in a grad buffer before communication."""
+class NanInfError(FusionError, FloatingPointError, ValueError):
+    """NaN or Inf found in a grad buffer before communication (a ``ValueError`` too, as
+    Paddle raises one: ported ``except ValueError`` code catches it)."""
 
 
 class StateError(FusionError):

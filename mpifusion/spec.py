@@ -240,8 +240,9 @@ class Spec:
         return cls.from_dict({"params": params, **defaults, **overrides}, source=f"preset {name}")
 
     def fused_params(self) -> list:
-        """The params that are fused: Paddle fuses trainable params only."""
-        return [p for p in self.params if p.trainable]
+        """The params that are fused: Paddle fuses trainable params only (its ``trainable``
+        is ``not stop_gradient``, so ``stop_gradient: true`` is not fused either)."""
+        return [p for p in self.params if p.trainable and not p.stop_gradient]
 
     def plan(self, nranks: int | None = None) -> list:
         """Every buffer a job with this spec builds (``fused_parameters``'s order), planned

@@ -115,7 +115,8 @@ def plan_model(params: Sequence[Any], *, act: str, group_size: int, use_main_gra
     """Every buffer ``fused_parameters`` builds for ``params`` (trainable ones only), with
     offsets and, for ``reduce_scatter``, the shards of ``nranks`` ranks."""
     if not params:
-        raise PlanError("params: no trainable param to fuse (every param has trainable: false)")
+        raise PlanError("params: no trainable param to fuse (every param has trainable: false "
+                        "or stop_gradient: true)")
     if act == "reduce_scatter" and nranks is None:
         raise PlanError("nranks: reduce_scatter needs the number of ranks "
                         "(set \"nranks\" in the spec or pass --nranks)")

@@ -40,7 +40,7 @@ from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
 from .checkin import CheckIn
-from .options import BufferOptions
+from .options import BufferOptions, dst_group_rank
 from .param import Param
 from .sharded import ShardedParams
 from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
@@ -107,7 +107,9 @@ class FusedCommBuffer(ShardedParams):
         self._comm = comm
         self.options = opts
         self._act = opts.act
-        self._dst = opts.dst
+        self._dst_global = opts.dst  # REDUCE's root as given: a global rank, as in Paddle
+        self._dst = (dst_group_rank(opts.dst, comm_group, where)  # its rank in comm_group
+                     if act == HookAction.REDUCE else opts.dst)
         self._acc_steps = opts.acc_steps
         self._scale_after_comm = opts.scale_after_comm
         self._fuse_param = opts.fuse_param
@@ -198,6 +200,12 @@ class FusedCommBuffer(ShardedParams):
 
     @property
     def nranks(self) -> int:
+        """REDUCE's root as given: a global rank (of COMM_WORLD), as in Paddle."""
+        return self._dst_global
+
+    @property
+    def dst_rank(self) -> int:
+        """REDUCE's root as a rank of comm_group (where the reduced grads land)."""
         return self._comm.size if self._comm is not None else 1
 
     @property

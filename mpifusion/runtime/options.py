@@ -9,8 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from mpi4py import MPI
+
 from ..errors import LayoutError
 from ..plan.actions import HookAction
+
+
+def dst_group_rank(dst: int, comm_group: Optional[MPI.Comm], where: str) -> int:
+    """The rank in ``comm_group`` of REDUCE's root ``dst``, a *global* rank (of COMM_WORLD),
+    as Paddle's ``dst`` is; a global rank outside comm_group is a ``LayoutError``.
+
+    Without a comm_group the buffer never communicates: ``dst`` is kept as given.
+    """
+    if comm_group is None:
+        return dst
+    world = MPI.COMM_WORLD
+    group, world_group = comm_group.Get_group(), world.Get_group()
+    try:
+        members = group.Translate_ranks(None, world_group)  # global ranks of comm_group
+        mine = (world_group.Translate_ranks([dst], group)[0]
+                if dst < world.Get_size() else MPI.UNDEFINED)
+    finally:
+        group.Free()
+        world_group.Free()
+    if mine == MPI.UNDEFINED:
+        shown = ", ".join(str(r) for r in members)
+        raise LayoutError(f"{where}: dst: REDUCE expected the root's global rank (of "
+                          f"COMM_WORLD, as in Paddle) among comm_group's global ranks "
+                          f"[{shown}], got {dst}")
+    return mine
 
 
 @dataclass(frozen=True)
@@ -60,9 +87,10 @@ class BufferOptions:
                               f"(its params are always fused)")
         dst = self.dst
         if act == HookAction.REDUCE:
-            if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < nranks:
-                raise LayoutError(f"{where}: dst: REDUCE expected the root's rank in "
-                                  f"[0, {nranks}) of comm_group, got {dst!r}")
+            # a global rank, as in Paddle; dst_group_rank checks it is in comm_group
+            if isinstance(dst, bool) or not isinstance(dst, int) or dst < 0:
+                raise LayoutError(f"{where}: dst: REDUCE expected the root's global rank "
+                                  f"(an int >= 0), got {dst!r}")
         elif dst != -1:
             raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {dst!r}")
         if act == HookAction.REDUCE_SCATTER and not has_comm:

@@ -35,8 +35,8 @@ class Param:
         self.data = _import(name, "array", array)
         self.grad = _import(name, "grad", grad, like=self.data)
         self.main_grad = _import(name, "main_grad", main_grad, like=self.data)
-        self.trainable = bool(trainable)
-        self.stop_gradient = bool(stop_gradient)
+        # one flag, as in Paddle (trainable is not stop_gradient): either one turns it off
+        self.stop_gradient = bool(stop_gradient) or not bool(trainable)
         self.is_distributed = bool(is_distributed)
         self.need_clip = bool(need_clip)
         self.optimize_attr = {"learning_rate": 1.0} if optimize_attr is None else optimize_attr
@@ -54,6 +54,15 @@ class Param:
             self._shape = tuple(value.shape)
             self._dtype = dtype_name(value.dtype)
             self._device = backend.device_of(value)
+
+    @property
+    def trainable(self) -> bool:
+        """``not stop_gradient``, as in Paddle: setting either flag sets the other."""
+        return not self.stop_gradient
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self.stop_gradient = not bool(value)
 
     @property
     def shape(self) -> tuple:

@@ -39,14 +39,18 @@ class ShardedParams:
         view.assign_slice_grad(slice_param)
 
     def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
-        """All-gather every rank's shard of the param buffer back into the full buffer."""
+        """All-gather every rank's shard of the param buffer back into the full buffer.
+
+        ``sync=False`` returns the task and records it in ``param2task`` for every param;
+        with ``sync=True`` ``param2task`` is ignored, as in Paddle.
+        """
         if not self.need_reduce_scale_sync():
             return None
         self._require_sharded("sync_params")
         if self.param_storage is None:
             raise StateError(f"{self._where()}: sync_params: the param buffer was cleared; "
                             f"expected reset_param_storage() first")
-        if param2task is not None:
+        if not sync and param2task is not None:
             taken = [p.name for p in self._params if p.name in param2task]
             if taken:
                 raise StateError(f"{self._where()}: param2task: params already have a sync "

@@ -33,10 +33,12 @@ def set_grad(param: Param, use_main_grad: bool, value: Any) -> None:
 
 
 def check_trainable(params: Sequence[Param], rank: int) -> None:
+    """Only trainable params are fused; as in Paddle, ``trainable`` is ``not stop_gradient``."""
     for p in params:
         if not p.trainable:
             raise LayoutError(f"rank {rank}: param '{p.name}': expected a trainable param "
-                              f"(only trainable params are fused), got trainable=False")
+                              f"(only trainable params are fused), got trainable=False "
+                              f"(stop_gradient=True)")
 
 
 def plan_or_raise(plan_fn, params, *args, rank: int) -> FlatLayout:
@@ -59,10 +61,8 @@ def adopt_data(param: Param, view: Any, copy: bool) -> None:
 
 
 def adopt_grad(param: Param, use_main_grad: bool, view: Any) -> None:
-    """Make the param's grad (or main_grad) the view, keeping any value it already had."""
-    old = grad_of(param, use_main_grad)
-    if old is not None and old.size == view.size:
-        view[...] = old.reshape(view.shape)
+    """Make the param's grad (or main_grad) the (zero) view: a grad it held before is
+    dropped, as in Paddle, whose grad buffers start at zero."""
     set_grad(param, use_main_grad, view)
 
 

@@ -46,7 +46,7 @@ def expected_buffer(buf, params, step, acc, main_grad, grad_dtype, avg, prescale
         tol_slot = np.full(slot.padded_numel, 1e-30)
         tol_slot[:slot.numel] = bound(mag, n, acc, grad_dtype).ravel()
         region = slice(slot.offset, slot.padded_end)
-        if act == HookAction.ALL_REDUCE or (act == HookAction.REDUCE and rank == buf.dst):
+        if act == HookAction.ALL_REDUCE or (act == HookAction.REDUCE and rank == buf.dst_rank):
             exp[region] = full_r
         elif act == HookAction.REDUCE:
             exp[region] = full_l
@@ -248,17 +248,20 @@ def test_fused_parameters_with_overlap_hooks(comm, act):
                 assert_close(got, want, tol, p.name)
 
 
-def test_reduce_uses_dst_rank_of_the_buffer_comm(comm):
-    """dst is a rank of comm_group: with a split communicator, the root is local rank 0."""
+def test_reduce_dst_is_a_global_rank(comm):
+    """dst is a global rank, as in Paddle: with a split communicator (global ranks of one
+    parity, in reverse order), the root is the given global rank wherever it sits in comm_group."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    sub = comm.Split(color=rank % 2, key=rank)
+    sub = comm.Split(color=rank % 2, key=-rank)
     try:
         p = Param("w", np.zeros((3, 3), np.float32))
-        buf = FusedCommBuffer(5, [p], sub, act=HookAction.REDUCE, dst=0, use_reduce_avg=True)
+        members = [r for r in range(n) if r % 2 == rank % 2]
+        root = members[0]  # the last rank of sub
+        buf = FusedCommBuffer(5, [p], sub, act=HookAction.REDUCE, dst=root, use_reduce_avg=True)
+        assert (buf.dst, buf.dst_rank) == (root, len(members) - 1)
         buf.add_grad(p, grad=np.full((3, 3), rank, np.float32))
         buf.scale_grads()
-        members = [r for r in range(n) if r % 2 == rank % 2]
-        if sub.Get_rank() == 0:
+        if rank == root:
             np.testing.assert_allclose(p.grad, np.mean(members), rtol=1e-6)
         else:
             np.testing.assert_array_equal(p.grad, rank)  # non-roots keep their own grads

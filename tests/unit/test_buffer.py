@@ -87,7 +87,7 @@ def test_groups_and_group_size_estimate():
     (dict(act=None), "act"),
     (dict(act="broadcast"), "act"),
     (dict(act=HookAction.REDUCE), "dst"),
-    (dict(act=HookAction.REDUCE, dst=1), r"dst.*\[0, 1\)"),
+    (dict(act=HookAction.REDUCE, dst=1), r"dst.*global ranks \[0\], got 1"),
     (dict(act=HookAction.ALL_REDUCE, dst=0), "dst"),
     (dict(act=HookAction.REDUCE_SCATTER, dst=0), "dst"),
     (dict(act=HookAction.ALL_REDUCE, fuse_param=True, release_grads=True), "fuse_param and release_grads"),
@@ -112,10 +112,14 @@ def test_mixed_dtypes_and_untrainable_params_are_refused():
     ps = params() + [Param("h", np.zeros(4, np.float16))]
     with pytest.raises(LayoutError, match="'h'.*float16"):
         FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
-    ps = params()
-    ps[2].trainable = False
-    with pytest.raises(LayoutError, match="'w2'.*trainable"):
-        FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
+    for flag, value in (("trainable", False), ("stop_gradient", True)):  # one flag, as in Paddle
+        ps = params()
+        setattr(ps[2], flag, value)
+        assert ps[2].trainable is False and ps[2].stop_gradient is True
+        for act in HookAction:
+            with pytest.raises(LayoutError, match="rank 0: param 'w2'.*trainable.*stop_gradient"):
+                FusedCommBuffer(0, ps, SELF, act=act, dst=0 if act == HookAction.REDUCE else -1)
+            assert all(p.grad is None for p in ps)
 
 
 def test_use_main_grad_none_follows_first_param():
@@ -123,7 +127,8 @@ def test_use_main_grad_none_follows_first_param():
     ps[0].main_grad = np.ones(ps[0].shape, np.float32)
     buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE)
     assert buf.use_main_grad and buf.grad_storage.dtype == np.float32
-    assert (ps[0].main_grad == 1).all()  # an existing main_grad is kept, now as a view
+    assert (ps[0].main_grad == 0).all()  # a main_grad held before is dropped: as in Paddle,
+    assert (buf.grad_storage == 0).all()  # the buffer starts at zero
     assert all(p.main_grad is not None for p in ps)
 
 
@@ -222,9 +227,9 @@ def test_naninf_check_names_param_and_changes_nothing(monkeypatch):
 
 def test_all_stop_gradient_skips_communication():
     ps = params()
-    for p in ps:
-        p.stop_gradient = True
     buf = FusedCommBuffer(0, ps, SELF, act=HookAction.ALL_REDUCE, scale_after_comm=False)
+    for p in ps:  # frozen after fusing (fusing a frozen param is refused)
+        p.stop_gradient = True
     for p in ps:
         buf.add_grad(p, grad=np.full(p.shape, 3.0, np.float32))
     assert buf.task is None
