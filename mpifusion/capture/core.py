@@ -1,0 +1,178 @@
+"""The framework-independent part of every capture adapter: one rank's dump being built."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from ..dtypes import as_dtype
+from ..errors import FusionError
+
+
+class CaptureError(FusionError, ValueError):
+    """A capture that cannot make a consistent dump (one line naming the rank and param)."""
+
+
+def dump_dtype(arr: np.ndarray) -> str:
+    """The spec dtype name of a recorded array (ml_dtypes bfloat16 included)."""
+    return as_dtype(arr.dtype).name
+
+
+class Recorder:
+    """One rank's dump being built: local grads per micro-step (``in/{name}/{k}``), what the
+    rank holds after the sync (``out/{name}``, with ``range/{name}`` for a 1-D piece), and the
+    param all-gather (``shard/{name}`` before, ``param/{name}`` after). Arrays are copied in as
+    numpy (bfloat16 as ``ml_dtypes.bfloat16``), in the order params were declared."""
+
+    def __init__(self, rank: int = 0, nranks: Optional[int] = None) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise CaptureError(f"rank: expected an int >= 0, got {rank!r}")
+        self.rank, self.nranks = rank, nranks
+        self._meta: dict = {}     # name -> (shape, dtype name), declaration order
+        self._inputs: dict = {}   # name -> [array per micro-step]
+        self._arrays: dict = {}   # out/, range/, shard/, param/ keys
+
+    # ---------------------------------------------------------------- recording
+    def declare(self, name: str, shape: Iterable[int], dtype: Any) -> None:
+        """Name a param (global shape, param dtype): it appears in the spec in this order."""
+        entry = (tuple(int(s) for s in shape), as_dtype(dtype).name)
+        old = self._meta.get(name)
+        if old is not None and old != entry:
+            raise CaptureError(f"rank {self.rank}: {name}: declared as {list(old[0])} {old[1]}"
+                               f", now {list(entry[0])} {entry[1]}")
+        self._meta[name] = entry
+        self._inputs.setdefault(name, [])
+
+    def _known(self, name: str) -> tuple:
+        if name not in self._meta:
+            raise CaptureError(f"rank {self.rank}: {name}: not a declared param (known: "
+                               f"{', '.join(list(self._meta)[:8])}{' ...' if len(self._meta) > 8 else ''})")
+        return self._meta[name]
+
+    def add_input(self, name: str, grad: np.ndarray) -> None:
+        """One micro-step's local gradient of ``name`` (param shape)."""
+        shape, _ = self._known(name)
+        grad = np.array(grad, copy=True)
+        if grad.shape != shape:
+            raise CaptureError(f"rank {self.rank}: {name}: local grad of shape "
+                               f"{list(grad.shape)}, expected the param's {list(shape)}")
+        self._inputs[name].append(grad)
+
+    def set_output(self, name: str, value: np.ndarray,
+                   range: Optional[tuple] = None) -> None:  # noqa: A002 - the dump's word
+        """What the rank holds after the sync: the full grad, or (``range=(begin, end)`` of
+        the flattened param) its 1-D piece."""
+        self._put("out", name, value, range)
+
+    def set_shard(self, name: str, value: np.ndarray, range: Optional[tuple] = None) -> None:  # noqa: A002
+        """The rank's param shard before the all-gather (1-D; ``range`` as in set_output;
+        without it the checker cuts as Paddle's reduce-scatter buffer does)."""
+        self._put("shard", name, value, range)
+
+    def set_param(self, name: str, value: np.ndarray) -> None:
+        """The full param after the all-gather (param shape)."""
+        shape, _ = self._known(name)
+        value = np.array(value, copy=True)
+        if value.shape != shape:
+            raise CaptureError(f"rank {self.rank}: {name}: gathered param of shape "
+                               f"{list(value.shape)}, expected {list(shape)}")
+        self._arrays[f"param/{name}"] = value
+
+    def _put(self, kind: str, name: str, value: np.ndarray, rng: Optional[tuple]) -> None:
+        shape, _ = self._known(name)
+        value = np.array(value, copy=True)
+        if rng is None:
+            if kind == "out" and value.shape != shape and value.ndim != 1:
+                raise CaptureError(f"rank {self.rank}: {name}: output of shape "
+                                   f"{list(value.shape)}: expected the param's {list(shape)} "
+                                   f"or a 1-D piece")
+            self._arrays[f"{kind}/{name}"] = value if kind == "out" else value.reshape(-1)
+            return
+        begin, end = (int(rng[0]), int(rng[1]))
+        numel = int(np.prod(shape))
+        if not 0 <= begin <= end <= numel or value.size != end - begin:
+            raise CaptureError(f"rank {self.rank}: {name}: {kind} range [{begin}, {end}) with "
+                               f"{value.size} element(s); expected 0 <= begin <= end <= "
+                               f"{numel} and end - begin elements")
+        old = self._arrays.get(f"range/{name}")
+        if old is not None and tuple(int(v) for v in old) != (begin, end):
+            raise CaptureError(f"rank {self.rank}: {name}: range [{begin}, {end}) differs from "
+                               f"the one recorded before {list(map(int, old))} (out/ and shard/"
+                               f" share one range per param)")
+        self._arrays[f"range/{name}"] = np.array([begin, end], dtype=np.int64)
+        self._arrays[f"{kind}/{name}"] = value.reshape(-1)
+
+    def clear(self) -> None:
+        """Forget everything recorded (the declared params stay): the next step starts over."""
+        for xs in self._inputs.values():
+            xs.clear()
+        self._arrays.clear()
+
+    # ---------------------------------------------------------------- results
+    @property
+    def acc_steps(self) -> int:
+        """Micro-steps recorded (the same for every param that received grads)."""
+        counts = {n: len(xs) for n, xs in self._inputs.items() if xs}
+        if not counts:
+            return 0
+        most = max(counts.values())
+        short = [f"{n} ({c})" for n, c in counts.items() if c != most]
+        if short:
+            raise CaptureError(f"rank {self.rank}: params recorded different numbers of "
+                               f"micro-steps: {most} for most, {', '.join(short[:8])} (one "
+                               f"backward per micro-step, every param used in each)")
+        return most
+
+    def recorded(self) -> list:
+        """Names of the params the dump covers (declared and given grads or gather arrays)."""
+        return [n for n in self._meta
+                if self._inputs[n] or f"param/{n}" in self._arrays or f"shard/{n}" in self._arrays]
+
+    def to_dict(self) -> dict:
+        """This rank's record in the dump format (``mpifusion.oracle.check`` takes a list of
+        these, one per rank)."""
+        self.acc_steps  # noqa: B018 - raises on inconsistent micro-steps
+        out = {f"in/{n}/{k}": x for n, xs in self._inputs.items() for k, x in enumerate(xs)}
+        out.update(self._arrays)
+        return out
+
+    def save(self, directory: str) -> str:
+        """Write ``rank{r}.npz`` into ``directory`` (bfloat16 as raw 2-byte values, which
+        ``.npz`` can hold) and return its path."""
+        os.makedirs(directory, exist_ok=True)
+        arrays = {}
+        for key, arr in self.to_dict().items():
+            arrays[key] = arr.view(np.uint16) if arr.dtype.kind == "V" and arr.dtype.itemsize == 2 \
+                else arr
+        path = os.path.join(directory, f"rank{self.rank}.npz")
+        np.savez(path, **arrays)
+        return path
+
+    def spec(self, act: str = "all_reduce", *, average: bool = True,
+             nranks: Optional[int] = None, **fields: Any) -> dict:
+        """The spec of this dump (JSON-ready): the recorded params with their global shapes
+        and dtypes, ``acc_steps`` as recorded, ``nranks`` (default: the capture's), and any
+        other spec field (``dst``, ``use_main_grad``, ``group_size``)."""
+        nranks = nranks if nranks is not None else self.nranks
+        if nranks is None:
+            raise CaptureError("nranks: unknown (pass nranks= to the capture or to spec())")
+        names = self.recorded()
+        if not names:
+            raise CaptureError(f"rank {self.rank}: nothing recorded yet (run a backward, or "
+                               f"record params, before asking for the spec)")
+        doc = {"params": [{"name": n, "shape": list(self._meta[n][0]), "dtype": self._meta[n][1]}
+                          for n in names],
+               "act": act, "nranks": int(nranks), "acc_steps": max(self.acc_steps, 1),
+               "average": bool(average)}
+        if act == "reduce" and "dst" not in fields:
+            fields["dst"] = 0
+        doc.update(fields)
+        return doc
+
+    def save_spec(self, path: str, act: str = "all_reduce", **kwargs: Any) -> str:
+        """Write :meth:`spec` as JSON to ``path`` (for ``mpifusion check --spec``)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.spec(act, **kwargs), f, indent=1)
+        return path

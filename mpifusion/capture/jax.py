@@ -1,0 +1,93 @@
+"""JAX capture: JAX has no hooks, so grads go in as values: a grads pytree per micro-step
+(what ``jax.grad`` returned on this rank) and the synced pytree (after ``lax.pmean``/``psum``
+or a ``jax.distributed`` all-reduce). Leaves are named by their pytree path
+(``params/dense/kernel``).
+
+One process per rank: ``JaxCapture(rank=r, nranks=n)``. One process driving several devices
+(``pmap``/``shard_map`` with a leading device axis): ``JaxCapture.stacked(...)`` records
+every device as a rank and returns one record per device.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from .core import CaptureError, Recorder
+
+
+def _leaves(tree: Any) -> list:
+    """``[(name, leaf)]`` in pytree order, names from the key paths."""
+    import jax
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for k in path:
+            for attr in ("key", "name", "idx"):
+                if hasattr(k, attr):
+                    parts.append(str(getattr(k, attr)))
+                    break
+            else:
+                parts.append(str(k))
+        out.append(("/".join(parts) or "leaf", leaf))
+    return out
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A numpy copy of a JAX array (bfloat16 stays ml_dtypes.bfloat16)."""
+    return np.array(x, copy=True)
+
+
+class JaxCapture(Recorder):
+    """Record one rank's JAX gradient step: ``add_micro_step(grads)`` per micro-step,
+    ``set_outputs(synced_grads)`` after the sync; then ``to_dict()``, ``save(dir)``,
+    ``spec()``."""
+
+    def __init__(self, rank: int = 0, nranks: Optional[int] = None) -> None:
+        super().__init__(rank, nranks)
+
+    def _declare_tree(self, tree: Any) -> list:
+        leaves = [(n, to_numpy(x)) for n, x in _leaves(tree)]
+        for name, arr in leaves:
+            self.declare(name, arr.shape, arr.dtype)
+        return leaves
+
+    def add_micro_step(self, grads: Any) -> None:
+        """This rank's local grads of one micro-step (a pytree of arrays)."""
+        for name, arr in self._declare_tree(grads):
+            self.add_input(name, arr)
+
+    def set_outputs(self, grads: Any) -> None:
+        """What this rank holds after the sync (a pytree shaped like the grads)."""
+        for name, arr in _leaves(grads):
+            self.set_output(name, to_numpy(arr))
+
+    @classmethod
+    def stacked(cls, micro_steps: list, synced: Any) -> list:
+        """Records for a single-process run over several devices: every leaf of each
+        micro-step's grads and of ``synced`` has a leading device axis (``pmap`` outputs);
+        device ``d`` becomes rank ``d``. Returns one :class:`JaxCapture` per device."""
+        if not micro_steps:
+            raise CaptureError("micro_steps: expected at least one grads pytree")
+        first = _leaves(micro_steps[0])
+        ndev = {np.shape(x)[0] if np.ndim(x) else None for _, x in first}
+        if len(ndev) != 1 or None in ndev:
+            raise CaptureError(f"micro_steps[0]: every leaf needs the same leading device axis "
+                               f"(got leading sizes {sorted(map(str, ndev))})")
+        n = ndev.pop()
+        caps = [cls(rank=d, nranks=n) for d in range(n)]
+        for k, grads in enumerate(micro_steps):
+            for name, x in _leaves(grads):
+                arr = to_numpy(x)
+                if arr.shape[:1] != (n,):
+                    raise CaptureError(f"micro_steps[{k}]: {name}: leading axis "
+                                       f"{arr.shape[:1]}, expected ({n},) devices")
+                for d, cap in enumerate(caps):
+                    cap.declare(name, arr.shape[1:], arr.dtype)
+                    cap.add_input(name, arr[d])
+        for name, x in _leaves(synced):
+            arr = to_numpy(x)
+            for d, cap in enumerate(caps):
+                cap.set_output(name, arr[d])
+        return caps

@@ -1,0 +1,169 @@
+"""PyTorch capture: every rank's local grads per micro-step (tensor hooks, which see a grad
+before DDP or FSDP2 reduce it) and what the rank holds after the sync.
+
+* plain modules and DDP: hooks on the params; outputs are ``param.grad`` (full);
+* FSDP2 (``fully_shard``): params are DTensors sharded on dim 0; the hooks go on the unsharded
+  params FSDP2 swaps in for forward/backward (found by a forward pre-hook on every module
+  that owns params), outputs are the local shards of ``param.grad`` with their
+  ``range/{name}`` in the flattened param, and with ``gather=True`` each forward records the
+  rank's shard before FSDP2's all-gather and the full param it produced.
+
+Use one backward per micro-step; ``spec()`` counts them.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+
+from .core import CaptureError, Recorder
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A numpy copy of a tensor (DTensor: its local part; bfloat16 as ml_dtypes.bfloat16)."""
+    import torch
+
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    # a clone: .numpy() of the tensor itself would pin its storage (FSDP2 resizes it to 0)
+    t = t.detach().to("cpu", copy=True).contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def dtensor_range(p: Any, local_numel: int) -> tuple:
+    """``[begin, end)`` of a DTensor's local part in the flattened global tensor; only
+    layouts that are one contiguous range (Shard(0) and Replicate) are accepted."""
+    names = [type(pl).__name__ for pl in p.placements]
+    dims = [getattr(pl, "dim", None) for pl in p.placements]
+    if any(n not in ("Shard", "Replicate") for n in names) or any(
+            n == "Shard" and d != 0 for n, d in zip(names, dims)):
+        raise CaptureError(f"placements {p.placements}: only Shard(0)/Replicate shards are one "
+                           f"range of the flattened param")
+    shape = tuple(p.shape)
+    row = math.prod(shape[1:]) if shape else 1
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        begin = int(offset[0]) * row if shape else 0
+    except (ImportError, AttributeError, TypeError):  # torch.chunk's cut on a 1-D mesh
+        mesh = p.device_mesh
+        rank, size = mesh.get_local_rank(), mesh.size()
+        chunk = -(-shape[0] // size)
+        begin = min(rank * chunk, shape[0]) * row
+    return begin, begin + local_numel
+
+
+class TorchCapture(Recorder):
+    """Record a PyTorch model's data-parallel gradient step for the oracle.
+
+    ``TorchCapture(model)`` before the first forward (``model`` may be the DDP wrapper or an
+    FSDP2 module); run ``acc_steps`` backwards; ``record_outputs()`` after the sync (after
+    the last backward; before ``optimizer.step``/``zero_grad``); then ``to_dict()``,
+    ``gather()`` (the list of every rank's dict, on ``dst``), ``save(dir)`` and ``spec()``.
+    ``attr`` names the grad to read as the output (``"main_grad"`` for Megatron-style fp32
+    main grads)."""
+
+    def __init__(self, model: Any, *, rank: Optional[int] = None,
+                 nranks: Optional[int] = None, attr: str = "grad", gather: bool = False) -> None:
+        import torch.distributed as dist
+
+        ready = dist.is_available() and dist.is_initialized()
+        super().__init__(rank if rank is not None else (dist.get_rank() if ready else 0),
+                         nranks if nranks is not None else (dist.get_world_size() if ready
+                                                            else 1))
+        inner = getattr(model, "module", model) if type(model).__name__ in (
+            "DistributedDataParallel", "DataParallel") else model
+        self._attr, self._gather = attr, gather
+        self._params: dict = {}     # name -> the module's registered param (DTensor for FSDP2)
+        self._hooked: dict = {}     # id(tensor) -> weakref, tensors that carry our hook
+        self._handles: list = []
+        self._sharded = False
+        for name, p in inner.named_parameters():
+            if not p.requires_grad:
+                continue
+            self._params[name] = p
+            self.declare(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+            if _is_dtensor(p):
+                self._sharded = True
+            else:
+                self._hook(name, p)
+        if self._sharded or gather:
+            prefix_of = {}
+            for mod_name, mod in inner.named_modules():
+                local = [n for n, _ in mod.named_parameters(recurse=False)]
+                if local:
+                    prefix_of[id(mod)] = mod_name
+                    self._handles.append(mod.register_forward_pre_hook(
+                        self._make_pre_forward(mod_name)))
+
+    # ---------------------------------------------------------------- hooks
+    def _hook(self, name: str, t: Any) -> None:
+        ref = self._hooked.get(id(t))
+        if ref is not None and ref() is t:
+            return
+        self._hooked[id(t)] = weakref.ref(t)
+        self._handles.append(t.register_hook(lambda g, n=name: self._on_grad(n, g)))
+
+    def _on_grad(self, name: str, grad: Any) -> None:
+        self.add_input(name, to_numpy(grad))
+
+    def _make_pre_forward(self, mod_name: str) -> Any:
+        def pre_forward(module: Any, args: Any) -> None:
+            for local, t in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{local}" if mod_name else local
+                if name not in self._params or _is_dtensor(t):
+                    continue  # not ours, or still sharded (FSDP2 has not gathered it)
+                self._hook(name, t)  # FSDP2's unsharded param: its grad is the local one
+                sharded = self._params[name]
+                if self._gather and _is_dtensor(sharded):
+                    shard = to_numpy(sharded)
+                    self.set_shard(name, shard, dtensor_range(sharded, shard.size))
+                    self.set_param(name, to_numpy(t))
+        return pre_forward
+
+    def remove(self) -> None:
+        """Remove every hook this capture installed."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._hooked.clear()
+
+    # ---------------------------------------------------------------- results
+    def record_outputs(self) -> None:
+        """Read what the sync left in each param's grad: full for DDP, this rank's shard
+        (with its range) for FSDP2."""
+        for name, p in self._params.items():
+            if not self._inputs[name]:
+                continue
+            g = getattr(p, self._attr, None)
+            if g is None:
+                raise CaptureError(f"rank {self.rank}: {name}: .{self._attr} is None after "
+                                   f"the sync (call record_outputs before zero_grad)")
+            arr = to_numpy(g)
+            if _is_dtensor(g):
+                self.set_output(name, arr.reshape(-1), dtensor_range(g, arr.size))
+            else:
+                self.set_output(name, arr)
+
+    def gather(self, dst: int = 0) -> Optional[list]:
+        """Every rank's ``to_dict()``, in rank order, on rank ``dst`` (None elsewhere), over
+        torch.distributed (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        mine = self.to_dict()
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, out, dst=dst)
+        return out
