@@ -69,14 +69,14 @@ def main() -> None:
         "bf16 round, ml_dtypes": ref(ob16, f32),
         "bf16 round, halfcast": lambda: halfcast.narrow(f32, ob16),
     }
-    k = halfcast._kernels
-    if k is not None and halfcast.path() == "f16c":  # the portable loops, for comparison
+    kern = halfcast._kernels
+    if kern is not None and halfcast.path() == "f16c":  # the portable loops, for comparison
         u16, u32 = np.uint16, np.uint32
-        cands["fp16 widen, portable C loop"] = lambda: k.widen_f16_int(h16.view(u16),
+        cands["fp16 widen, portable C loop"] = lambda: kern.widen_f16_int(h16.view(u16),
                                                                        dst32.view(u32))
-        cands["fp16 round, portable C loop"] = lambda: k.narrow_f16_int(f32.view(u32),
+        cands["fp16 round, portable C loop"] = lambda: kern.narrow_f16_int(f32.view(u32),
                                                                         o16.view(u16))
-        cands["bf16 round, portable C loop"] = lambda: k.narrow_bf16_int(f32.view(u32),
+        cands["bf16 round, portable C loop"] = lambda: kern.narrow_bf16_int(f32.view(u32),
                                                                          ob16.view(u16))
     times: Dict[str, List[float]] = {k: [] for k in cands}
     ratios: Dict[str, List[float]] = {k: [] for k in cands}
