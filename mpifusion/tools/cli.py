@@ -62,9 +62,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are printed by rank 0 only (every rank still exits 2)."""
 
     def error(self, message: str):  # type: ignore[override]
-        if _rank() == 0:
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        if _rank() == 0:  # one line, like every other bad input (the usage is in --help)
+            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr,
+                  flush=True)
         raise SystemExit(EXIT_INPUT)
 
     def _print_message(self, message: str, file: Any = None) -> None:

@@ -49,6 +49,7 @@ def test_bad_input_every_rank_exits_2_one_message(n, argv, needle):
     proc = mpiexec(n, "run", *argv)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count(needle) == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # no usage block
     assert "PASS" not in proc.stdout and "FAIL" not in proc.stdout
 
 
