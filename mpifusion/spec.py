@@ -20,6 +20,7 @@ from typing import Any
 
 from .dtypes import ALIAS_NAMES, ITEMSIZES
 from .errors import FusionError
+from .limits import MAX_INT, InputLimitError, loads_json, read_text, shape_too_large
 from .plan.actions import ACT_NAMES
 from .plan.layout import FUSED_GROUP_SIZE
 
@@ -84,6 +85,8 @@ def _check_bool(v: Any, field: str) -> bool:
 def _check_int(v: Any, field: str, minimum: int) -> int:
     if not _is_int(v) or v < minimum:
         raise SpecError(f"expected an int >= {minimum}, got {_show(v)}", (field,))
+    if v > MAX_INT:
+        raise SpecError(f"expected an int <= 2**63-1, got {_show(v)}", (field,))
     return int(v)
 
 
@@ -127,6 +130,9 @@ class ParamSpec:
         shape = self.shape
         if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
             raise SpecError(f"expected a list of non-negative ints, got {_show(shape)}", ("shape",))
+        if shape_too_large(shape):  # numpy's limits (ndim, bytes of a float64 copy)
+            raise SpecError(f"expected at most 64 dims and 2**59 elements (zero dims count as "
+                            f"1), got {_show(shape)}", ("shape",))
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for flag in ("trainable", "stop_gradient", "is_distributed", "need_clip", "decay"):
@@ -280,15 +286,18 @@ def _reject_constant(name: str) -> Any:
 def load_spec(path: str | os.PathLike[str]) -> Spec:
     """Read and validate a spec file; I/O and JSON errors become ``SpecError`` too, for one CLI error path."""
     source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
+    try:  # a regular file only (a FIFO or a device would block or never end), bounded in size
+        text = read_text(source)
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(f"cannot read: {getattr(e, 'strerror', None) or e}", source=source) from None
-    try:
-        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
+    except InputLimitError as e:
+        raise SpecError(str(e), source=source) from None
+    try:  # bounded in nesting depth and integer digits
+        data = loads_json(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
     except SpecError as e:
         raise e.within(source=source) from None
+    except InputLimitError as e:
+        raise SpecError(str(e), source=source) from None
     except json.JSONDecodeError as e:
         raise SpecError(f"not valid JSON: {e}", source=source) from None
     except RecursionError:

@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from ..dtypes import as_dtype
+from ..errors import OptionError
 
 #: unit roundoff u (half the spacing of 1.0) and half the smallest subnormal spacing, per dtype
 _UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11,
@@ -53,6 +54,11 @@ class BoundModel:
     formula: str
 
 
+def _max_acc_steps(acc: str, red: str, n_red: int) -> int:
+    """The most micro-steps whose bound still has theta < 1 (for the error message)."""
+    return max(0, int((1.0 - n_red * _UNIT_ROUNDOFF[red]) / _UNIT_ROUNDOFF[acc]))
+
+
 def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool) -> BoundModel:
     """The two constants of the bound (see :func:`error_bound`)."""
     acc = as_dtype(grad_dtype).name
@@ -62,9 +68,11 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     n_acc = (acc_steps - 1) + (1 if half else 0) + (1 if (average and half) else 0)
     n_red = (nranks - 1) + (2 if average else 0)
     theta = n_acc * u_acc + n_red * u_red
-    if theta >= 1:
-        raise ValueError(f"error bound: {n_acc} roundings in {acc} and {n_red} in {red} leave "
-                         f"no accuracy (theta={theta:g} >= 1)")
+    if theta >= 1:  # an OptionError: a ValueError too, and one line for the CLI
+        raise OptionError(f"acc_steps {acc_steps}, nranks {nranks}: too many roundings to "
+                          f"check ({n_acc} in {acc} and {n_red} in {red} leave no accuracy, "
+                          f"theta={theta:g} >= 1; at most about {_max_acc_steps(acc, red, n_red)} "
+                          f"micro-steps at {nranks} rank(s))")
     rel = theta / (1 - theta)
     absolute = n_acc * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
     formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta, theta = {n_acc}*u({acc}) + "
@@ -91,11 +99,19 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     ``eta`` covers results that land in the subnormal range, where rounding errors are
     absolute. For one rank, one micro-step and no average the bound is 0: the result must be
     bit-exact.
+
+    Non-finite ``abs_sum`` (see :class:`ReferenceSum`) passes through: ``inf`` (the inputs
+    hold Inf/NaN: the output must match the reference's Inf/NaN) stays ``inf``, and ``NaN``
+    (the float64 sums overflowed with finite inputs) stays ``NaN``, which every comparison
+    treats as a failure. Neither is ever an infinite tolerance for a finite reference.
     """
     model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc_steps,
                         average=average)
     c = 1.0 / nranks if average else 1.0
-    return np.asarray(abs_sum, dtype=np.float64) * (c * model.rel) + model.absolute
+    abs_sum = np.asarray(abs_sum, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = abs_sum * (c * model.rel) + model.absolute
+    return np.where(np.isinf(abs_sum), abs_sum, bound)  # inf * 0 would be NaN
 
 
 def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
@@ -108,61 +124,207 @@ def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
     return arr.astype(np.float64)
 
 
+def _worst(a: float, b: float) -> float:
+    """The larger of two ratios, a NaN counting as infinitely bad (``max`` would drop it)."""
+    a = math.inf if math.isnan(a) else a
+    b = math.inf if math.isnan(b) else b
+    return a if a >= b else b
+
+
+def _num(x: float) -> str:
+    return f"{x:.9g}" if math.isfinite(x) else ("nan" if math.isnan(x) else
+                                                 ("+inf" if x > 0 else "-inf"))
+
+
 @dataclass
 class ErrorStats:
-    """Worst errors of one param against its reference (over every element compared)."""
+    """Worst errors of one param against its reference (over every element compared).
+
+    The rule for every element: where the float64 reference is finite, the output must be
+    finite and within the bound (a NaN ``err/bound`` fails); where the reference is +inf,
+    -inf or NaN (the inputs held Inf/NaN), the output must be the same (same sign for inf);
+    where the float64 reference or ``sum|x|`` overflows although every input is finite (its
+    bound is NaN, :class:`ReferenceSum`), the element cannot be checked and fails as
+    ``overflow``: it is never given an infinite bound.
+    """
 
     name: str
     compared: int = 0
     max_abs: float = 0.0
     max_rel: float = 0.0    # over elements whose reference is not 0
-    max_ratio: float = 0.0  # max |err| / bound; > 1 fails; inf where the bound is 0
+    max_ratio: float = 0.0  # max |err| / bound; > 1 fails; inf for any failing element
     worst_rank: Optional[int] = None
-    nonfinite: int = 0
+    nonfinite: int = 0      # Inf/NaN outputs where the reference is finite
+    nonfinite_ref: int = 0  # elements whose reference is Inf/NaN (Inf/NaN in the inputs)
+    mismatched: int = 0     # ... of which the output is not the same Inf/NaN
+    overflow: int = 0       # float64 reference or sum|x| overflows with finite inputs
+    beyond: int = 0         # finite outputs farther from the reference than the bound
+    first_failure: Optional[str] = None  # the first failing element, for the report
 
     @property
     def ok(self) -> bool:
-        return self.max_ratio <= 1.0 and self.nonfinite == 0
+        return (self.max_ratio <= 1.0 and not self.nonfinite and not self.mismatched
+                and not self.overflow and not self.beyond)
+
+    @property
+    def reason(self) -> Optional[str]:
+        """Why the param fails, in one line (None when it passes)."""
+        if self.ok:
+            return None
+        parts = []
+        if self.overflow:
+            parts.append(f"{self.overflow} element(s) whose float64 reference or sum|x| "
+                         f"overflows (finite inputs too large to check)")
+        if self.mismatched:
+            parts.append(f"{self.mismatched} element(s) where the reference is Inf/NaN "
+                         f"(Inf/NaN in the inputs) but the output is not the same Inf/NaN")
+        if self.nonfinite:
+            parts.append(f"{self.nonfinite} Inf/NaN output(s) where the reference is finite")
+        if self.beyond or not parts:
+            parts.append(f"{self.beyond} element(s) beyond the bound (worst "
+                         f"{format_ratio(self.max_ratio)} of it)")
+        text = "; ".join(parts)
+        return f"{text}; first: {self.first_failure}" if self.first_failure else text
 
     def update(self, out: np.ndarray, ref: np.ndarray, bound: np.ndarray,
-               rank: Optional[int] = None) -> None:
-        """Fold one comparison (``out`` and ``ref`` float64, same shape) into the stats."""
+               rank: Optional[int] = None, *, overflow: Optional[np.ndarray] = None,
+               offset: int = 0) -> None:
+        """Fold one comparison into the stats: ``out``, ``ref`` and ``bound`` of one size
+        (``bound`` from :func:`error_bound`: NaN where the reference overflowed, inf where the
+        inputs held Inf/NaN; ``overflow`` may mark overflowed elements explicitly, as
+        :attr:`ReferenceSum.overflow`); ``offset`` is the index of element 0 in the param."""
+        out = np.asarray(out, dtype=np.float64).reshape(-1)
+        ref = np.asarray(ref, dtype=np.float64).reshape(-1)
+        bound = np.asarray(bound, dtype=np.float64).reshape(-1)
         if out.size == 0:
             return
-        finite = np.isfinite(out)
-        bad = int(out.size - np.count_nonzero(finite))
-        err = np.abs(out - ref)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(ref != 0, err / np.abs(ref), 0.0)  # undefined where ref == 0
+        ref_finite = np.isfinite(ref)
+        # NaN bound: the float64 sums overflowed; a finite reference with an infinite bound
+        # can only come from an overflowed sum|x| too (an Inf/NaN input makes ref non-finite)
+        over = np.isnan(bound) | (ref_finite & np.isinf(bound))
+        if overflow is not None:
+            over |= np.asarray(overflow, dtype=bool).reshape(-1)
+        special = ~ref_finite & ~over            # a genuine Inf/NaN reference
+        regular = ref_finite & ~over
+        out_finite = np.isfinite(out)
+        same = np.where(np.isnan(ref), np.isnan(out), out == ref)
+        mismatch = special & ~same
+        nonfinite = regular & ~out_finite
+        checked = regular & out_finite
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            err = np.where(checked, np.abs(out - ref), 0.0)
+            rel = np.where(checked & (ref != 0), err / np.abs(ref), 0.0)
             ratio = np.where(bound > 0, err / bound, np.where(err == 0, 0.0, np.inf))
-        ratio = np.where(finite, ratio, np.inf)
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)  # a NaN ratio is a failure
+        beyond = checked & ~(ratio <= 1.0)
+        failing = over | mismatch | nonfinite
+        ratio = np.where(failing, np.inf, np.where(checked, ratio, 0.0))
         worst = float(ratio.max())
         if worst > self.max_ratio or self.worst_rank is None:
             self.worst_rank = rank
         self.compared += out.size
-        self.nonfinite += bad
-        self.max_abs = max(self.max_abs, float(np.where(finite, err, np.inf).max()))
-        self.max_rel = max(self.max_rel, float(np.where(finite, rel, np.inf).max()))
-        self.max_ratio = max(self.max_ratio, worst)
+        self.nonfinite += int(np.count_nonzero(nonfinite))
+        self.nonfinite_ref += int(np.count_nonzero(special))
+        self.mismatched += int(np.count_nonzero(mismatch))
+        self.overflow += int(np.count_nonzero(over))
+        self.beyond += int(np.count_nonzero(beyond))
+        bad_abs = np.inf if (mismatch | nonfinite).any() else 0.0
+        self.max_abs = _worst(self.max_abs, max(float(err.max()), bad_abs))
+        self.max_rel = _worst(self.max_rel, max(float(rel.max()), bad_abs))
+        self.max_ratio = _worst(self.max_ratio, worst)
+        if self.first_failure is None and (failing.any() or beyond.any()):
+            i = int(np.flatnonzero(failing | beyond)[0])
+            where = f" on rank {rank}" if rank is not None else ""
+            self.first_failure = (f"element {offset + i}{where}: reference {_num(ref[i])}, "
+                                  f"output {_num(out[i])}, bound {_num(bound[i])}")
+
+    def merge(self, other: "ErrorStats") -> None:
+        """Fold another rank's stats of the same param into these."""
+        if other.max_ratio > self.max_ratio or self.worst_rank is None:
+            self.worst_rank = other.worst_rank
+        for name in ("compared", "nonfinite", "nonfinite_ref", "mismatched", "overflow",
+                     "beyond"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.max_abs = _worst(self.max_abs, other.max_abs)
+        self.max_rel = _worst(self.max_rel, other.max_rel)
+        self.max_ratio = _worst(self.max_ratio, other.max_ratio)
+        if self.first_failure is None:
+            self.first_failure = other.first_failure
+
+
+class ReferenceSum:
+    """The float64 sum and ``sum|x|`` of the terms fed in, one term at a time (three arrays
+    of the param's size), with the marks :func:`error_bound` and :class:`ErrorStats` read:
+    ``absolute`` is ``inf`` where an input is Inf/NaN and ``NaN`` where the sums overflow
+    although every input is finite (the reference cannot be trusted there)."""
+
+    def __init__(self) -> None:
+        self._total: Optional[np.ndarray] = None
+        self._absolute: Optional[np.ndarray] = None
+        self._special: Optional[np.ndarray] = None  # an input (or part) was Inf/NaN
+
+    def add(self, x: np.ndarray, absolute: Optional[np.ndarray] = None) -> None:
+        """Add a term ``x`` (or, with ``absolute``, a partial result ``(total, sum|x|)`` of
+        another ReferenceSum, marks included)."""
+        x = np.asarray(x, dtype=np.float64)
+        if absolute is None:
+            special = ~np.isfinite(x)
+            mag = np.where(special, np.inf, np.abs(x))  # |NaN| counts as inf: not overflow
+        else:
+            mag = np.asarray(absolute, dtype=np.float64)
+            special = np.isinf(mag)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if self._total is None:
+                self._total, self._absolute = x.copy(), mag.copy()
+                self._special = special
+            else:
+                self._total += x
+                self._absolute += mag
+                self._special |= special
+
+    def _started(self) -> None:
+        if self._total is None:
+            raise ValueError("summed: expected at least one term")
+
+    @property
+    def total(self) -> np.ndarray:
+        """The float64 sum of the terms (Inf/NaN where they overflowed or held Inf/NaN)."""
+        self._started()
+        return self._total
+
+    @property
+    def overflow(self) -> np.ndarray:
+        """Elements whose every input is finite but whose sum or ``sum|x|`` is not."""
+        self._started()
+        bad = ~np.isfinite(self._absolute) | ~np.isfinite(self._total)
+        return bad & ~self._special
+
+    @property
+    def absolute(self) -> np.ndarray:
+        """``sum|x|``, ``inf`` where an input is Inf/NaN, ``NaN`` where it overflowed."""
+        self._started()
+        absolute = self._absolute.copy()
+        bad = ~np.isfinite(absolute) | ~np.isfinite(self._total)
+        absolute[bad & self._special & ~np.isnan(absolute)] = np.inf
+        absolute[bad & ~self._special] = np.nan  # overflow with finite inputs
+        return absolute
+
+    def result(self) -> tuple:
+        """``(sum, sum|x|)`` with the marks described above."""
+        return self.total.copy(), self.absolute
 
 
 def summed(terms: Iterable[np.ndarray]) -> tuple:
-    """``(sum, sum of |x|)`` of float64 arrays, for the reference and its bound."""
-    total = absolute = None
+    """``(sum, sum of |x|)`` of float64 arrays, for the reference and its bound (marks as in
+    :class:`ReferenceSum`: ``inf`` for Inf/NaN inputs, ``NaN`` for overflow)."""
+    acc = ReferenceSum()
     for x in terms:
-        x = np.asarray(x, dtype=np.float64)
-        if total is None:
-            total, absolute = x.copy(), np.abs(x)
-        else:
-            total += x
-            absolute += np.abs(x)
-    if total is None:
-        raise ValueError("summed: expected at least one term")
-    return total, absolute
+        acc.add(x)
+    return acc.result()
 
 
 def format_ratio(ratio: float) -> str:
     """A short human form of ``err/bound``."""
-    if math.isinf(ratio):
+    if math.isinf(ratio) or math.isnan(ratio):
         return "inf"
     return f"{ratio:.3g}"

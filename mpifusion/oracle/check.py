@@ -38,7 +38,10 @@ class CheckReport:
             "average": spec.average, "dst": spec.dst, "bound": self.bounds,
             "params": [{"name": s.name, "compared": s.compared, "max_abs_err": num(s.max_abs),
                         "max_rel_err": num(s.max_rel), "err_over_bound": num(s.max_ratio),
-                        "worst_rank": s.worst_rank, "nonfinite": s.nonfinite, "ok": s.ok}
+                        "worst_rank": s.worst_rank, "nonfinite": s.nonfinite,
+                        "nonfinite_reference": s.nonfinite_ref,
+                        "nonfinite_mismatch": s.mismatched, "overflow": s.overflow,
+                        "beyond_bound": s.beyond, "ok": s.ok, "reason": s.reason}
                        for s in self.stats],
         }
 

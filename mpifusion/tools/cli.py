@@ -287,15 +287,22 @@ def _input_errors() -> tuple:
 def cmd_layout(args: argparse.Namespace) -> int:
     from .render import diff_layouts, layout_json, layout_table
 
+    from ..limits import InputLimitError, layout_problem, loads_json, read_text
+
     spec = spec_from_args(args)
+    if spec.act == "reduce_scatter" and spec.nranks is not None:
+        problem = layout_problem(len(spec.fused_params()), spec.nranks)
+        if problem:
+            raise UsageError(problem)
     buffers = spec.plan()
     doc = layout_json(spec, buffers)
     if args.layout is not None:
-        try:
-            with open(args.layout, encoding="utf-8") as f:
-                theirs = json.load(f)
+        try:  # a regular file, bounded in size, depth and integer digits
+            theirs = loads_json(read_text(args.layout))
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{args.layout}: cannot read: {getattr(exc, 'strerror', None) or exc}")
+        except InputLimitError as exc:
+            raise UsageError(f"{args.layout}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise UsageError(f"{args.layout}: not valid JSON: {exc}")
         if not isinstance(theirs, dict) or "buffers" not in theirs:
@@ -369,6 +376,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         _say(f"PASS: {len(report.stats)} params within the bound")
         return EXIT_PASS
     bad = report.failing
+    for s in report.stats:
+        if not s.ok:
+            _say(f"{s.name}: {s.reason}")
     _say(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
          f"{' ...' if len(bad) > 10 else ''}")
     return EXIT_FAIL

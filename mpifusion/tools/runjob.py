@@ -33,6 +33,7 @@ from ..config import CommOptions
 from ..errors import LayoutError
 from ..plan.grouping import PlanError, grad_dtype_for, split_groups
 from .bandwidth import algbw, bus_factor, fmt_gbps
+from ..limits import format_bytes, memory_problem
 from .render import buffer_summary
 from ..spec import Spec
 
@@ -156,18 +157,51 @@ def spec_digest(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
+def _ranks_on_this_node(comm: MPI.Comm) -> int:
+    """How many ranks of ``comm`` share this machine's memory (collective)."""
+    try:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    except MPI.Exception:
+        return 1
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def run_memory(spec: Spec, plan: Sequence[Any]) -> tuple:
+    """``(bytes, detail)``: what one rank of a run allocates at its peak, estimated from the
+    plan: the fused params (and the params' own arrays before fusing), the grad buffers, and
+    the verifier's float64 work arrays for the largest param (about 15 per element)."""
+    params = sum(b.layout.nbytes for b in plan)
+    grads = sum(b.grad_nbytes for b in plan)
+    largest = max((b.layout[p.name].padded_numel for b in plan for p in b.params), default=0)
+    verify = 15 * 8 * largest
+    need = 2 * params + grads + verify
+    detail = (f"params {format_bytes(params)} (twice while fusing), grads "
+              f"{format_bytes(grads)}, checking {format_bytes(verify)}")
+    return need, detail
+
+
 def check_job_spec(spec: Spec, comm: MPI.Comm) -> Optional[str]:
-    """Input errors of a run on this rank (one line), or None."""
+    """Input errors of a run on this rank (one line), or None: the spec against the job, the
+    error bound (too many micro-steps leave no accuracy to check), and the memory the run
+    needs against what this machine has for its ranks. Collective (every rank calls it)."""
     size = comm.Get_size()
+    ranks_here = _ranks_on_this_node(comm)
     if spec.nranks is not None and spec.nranks != size:
         return f"nranks: the spec says {spec.nranks} ranks, but the job has {size}"
     if spec.act == "reduce" and not 0 <= spec.dst < size:
         return f"dst: reduce needs a root rank in [0, {size}), got {spec.dst}"
     try:
-        spec.plan(size)
-    except ValueError as exc:
+        plan = spec.plan(size)
+        for grad_dtype in sorted({str(b.grad_dtype) for b in plan}):
+            bound_model(grad_dtype=grad_dtype, nranks=size, acc_steps=spec.acc_steps,
+                        average=True)
+    except ValueError as exc:  # PlanError, OptionError (the bound): one line each
         return str(exc)
-    return None
+    need, detail = run_memory(spec, plan)
+    return memory_problem(need, "this run", ranks_here, detail)
 
 
 def _hook(buffer: FusedCommBuffer, param: Param, grad: Any) -> None:
@@ -245,10 +279,11 @@ class Verifier:
             ref /= self.size  # FusedCommBuffer always averages
             bound = error_bound(absolute, grad_dtype=_grad_dtype(spec, param),
                                 nranks=self.size, acc_steps=spec.acc_steps, average=True)
-            stats.update(out[:real].astype(np.float64), ref, bound, self.rank)
+            stats.update(out[:real].astype(np.float64), ref, bound, self.rank, offset=lo)
         if real < out.size:  # padding must stay exactly zero
             pad = out[real:].astype(np.float64)
-            stats.update(pad, np.zeros(pad.size), np.zeros(pad.size), self.rank)
+            stats.update(pad, np.zeros(pad.size), np.zeros(pad.size), self.rank,
+                         offset=lo + real)
 
     def grads(self, step: int) -> None:
         spec = self.job.spec
@@ -376,8 +411,8 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
     error = check_job_spec(spec, comm)
     if error is not None:
         error = f"{source}: {error}"
+    digests = comm.allgather(spec_digest(spec))  # on every rank: the collectives must pair
     if error is None:
-        digests = comm.allgather(spec_digest(spec))
         for r, d in enumerate(digests):
             if d != digests[0]:
                 error = f"rank {r}: its spec differs from rank 0's (same files on every node?)"
@@ -391,6 +426,10 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         error = None
     except (LayoutError, PlanError) as exc:  # the core refused the params: bad input
         error = str(exc)
+    except MemoryError:  # the estimate of check_job_spec was short: still one line, exit 2
+        need, detail = run_memory(spec, spec.plan(size))
+        error = (f"out of memory while building the buffers: this run needs about "
+                 f"{format_bytes(need)} per rank ({detail})")
     error = agree(comm, error)
     if error is not None:
         return _fail_input(rank, error)
@@ -450,27 +489,17 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         bar.close()
 
     # ---- verdict: worst error per param over every rank
-    local = {n: (s.max_ratio, s.max_abs, s.max_rel, s.nonfinite, s.compared, s.worst_rank)
-             for n, s in verifier.stats.items()}
-    gathered = comm.gather(local, root=0)
+    gathered = comm.gather(verifier.stats, root=0)
     all_sync_bad = comm.gather(sync_bad, root=0)
     verdict = None
     if rank == 0:
-        merged = {}
-        for per_rank in gathered:
-            for name, row in per_rank.items():
-                old = merged.get(name)
-                if old is None:
-                    merged[name] = list(row)
-                else:
-                    if row[0] > old[0]:
-                        old[0], old[5] = row[0], row[5]
-                    old[1], old[2] = max(old[1], row[1]), max(old[2], row[2])
-                    old[3] += row[3]
-                    old[4] += row[4]
+        merged: dict = {}
+        for per_rank in gathered:  # ErrorStats.merge: a NaN ratio counts as a failure
+            for name, st in per_rank.items():
+                merged.setdefault(name, ErrorStats(name)).merge(st)
         bad_sync = sorted({n for rows in all_sync_bad for _, n in rows})
-        failing = [n for n, r in merged.items() if r[0] > 1.0 or r[3]]
-        worst_name = max(merged, key=lambda n: merged[n][0])
+        failing = [n for n, st in merged.items() if not st.ok]
+        worst_name = max(merged, key=lambda n: merged[n].max_ratio)
         w = merged[worst_name]
         med = np.median(np.array(history), axis=0)
         out(f"median step {med[0] * 1e3:.2f} ms, comm {med[3] * 1e3:.2f} ms over "
@@ -479,9 +508,10 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         if spec.act == "reduce_scatter":
             out(f"sync_params {med[4] * 1e3:.2f} ms over {param_bytes} param bytes: "
                 f"{_bw(param_bytes, med[4], bus_factor('allgather', size))}")
-        checked = sum(r[4] for r in merged.values())
-        out(f"max error: {w[1]:.3g} abs, {w[2]:.3g} rel, {format_ratio(w[0])} of the bound "
-            f"(param {worst_name}, rank {w[5]}); {checked} elements checked over "
+        checked = sum(st.compared for st in merged.values())
+        out(f"max error: {w.max_abs:.3g} abs, {w.max_rel:.3g} rel, {format_ratio(w.max_ratio)} "
+            f"of the bound (param {worst_name}, rank {w.worst_rank}); {checked} elements "
+            f"checked over "
             f"{options.steps} step(s)")
         if spec.act == "reduce_scatter":
             out(f"sync_params: {'exact' if not bad_sync else 'WRONG for ' + ', '.join(bad_sync[:10])}")
@@ -492,6 +522,8 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
             why = []
             if failing:
                 why.append(f"{len(failing)} param(s) beyond the error bound: {names}")
+                for name in failing[:10]:
+                    out(f"  {name}: {merged[name].reason}")
             if bad_sync:
                 why.append(f"{len(bad_sync)} param(s) wrong after sync_params")
             verdict = "FAIL: " + "; ".join(why)
