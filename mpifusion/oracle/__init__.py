@@ -1,12 +1,39 @@
 """The float64 oracle: the exact reference of a gradient sync and how far a correct result
 may be from it (``bound``), reading other implementations' dumps (``dumps``) and checking
 them (``check``). Needs no MPI: it runs wherever the dumps are.
+
+In another project's tests::
+
+    from mpifusion.oracle import assert_matches_reference
+    assert_matches_reference(spec, [rank0_dict, rank1_dict])   # raises OracleMismatch
+
+or ``report = check(spec, dumps)`` for the statistics (``report.ok``, ``str(report)``,
+``report.to_json()``, ``report.raise_for_failure()``, ``plot_report(report, "err.png")``).
 """
+from typing import Any
+
+from ..errors import OracleMismatch
 from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound, format_ratio,
                     reduce_dtype, summed, unit_roundoff)
-from .check import CheckReport, check_dump
+from .check import CheckReport, CoverageIssue, SyncStats, as_spec, check, check_dump
 from .dumps import DumpError
+
+
+def assert_matches_reference(spec: Any, dumps: Any, **options: Any) -> CheckReport:
+    """``check(spec, dumps, **options).raise_for_failure()``: the one-line assertion for test
+    suites; raises :class:`~mpifusion.errors.OracleMismatch` (an AssertionError) naming the
+    params and ranks that stray, and returns the report otherwise."""
+    return check(spec, dumps, **options).raise_for_failure()
+
+
+def plot_report(report: CheckReport, path: str) -> str:
+    """Draw error/bound per param and rank into ``path`` (needs matplotlib)."""
+    from .plot import plot_report as _plot
+
+    return _plot(report, path)
+
 
 __all__ = ["BoundModel", "ErrorStats", "as_float64", "bound_model", "error_bound",
            "format_ratio", "reduce_dtype", "summed", "unit_roundoff", "CheckReport",
-           "check_dump", "DumpError"]
+           "CoverageIssue", "SyncStats", "OracleMismatch", "as_spec", "check", "check_dump",
+           "assert_matches_reference", "plot_report", "DumpError"]

@@ -1,106 +1,623 @@
-"""``check_dump``: another implementation's dump against the float64 reference."""
+"""``check``: another implementation's dump against the float64 reference.
+
+A dump is one record per rank (a ``rank{r}.npz`` file or an in-memory dict of arrays) with:
+
+* ``in/{name}/{k}``: the rank's local gradient of micro-step ``k`` (param shape);
+* ``out/{name}``: what the rank holds after the sync (full gradient for ``all_reduce``, and for
+  ``reduce`` on the root; non-root ranks of ``reduce`` may dump their buffer, checked against
+  Paddle's rule; for ``reduce_scatter`` the rank's 1-D piece);
+* ``range/{name}``: ``[begin, end)`` (two ints) of the flattened param that the rank's
+  ``out/{name}`` (reduce_scatter) and ``shard/{name}`` cover: FSDP2 dim-0 shards, ZeRO flat
+  partitions, Megatron distributed-optimizer shards. Without it, ``reduce_scatter`` pieces are
+  cut as Paddle cuts them (the rank's slice of the padded buffer, padding included);
+* ``shard/{name}`` (1-D) and ``param/{name}`` (param shape): the rank's param shard before the
+  all-gather (``sync_params``) and the full param after it, checked bit-exact.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from ..dtypes import dtype_name
+from ..errors import OracleMismatch
 from ..plan.grouping import grad_dtype_for
-from .bound import ErrorStats, bound_model, error_bound, summed
+from .bound import ErrorStats, ReferenceSum, as_float64, bound_model, error_bound, format_ratio
 from .dumps import DumpError, _array, _open_npz, _rank_files
+
+
+DumpsLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]", Mapping]]]
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class CoverageIssue:
+    """Elements ``[begin, end)`` of a flattened param that no rank holds (``gap``: those
+    elements are unchecked, so the param fails) or that several ranks hold (``overlap``:
+    reported, each rank's values are still checked)."""
+
+    name: str
+    what: str   # "out" (reduce-scattered grads) or "shard" (param shards)
+    kind: str   # "gap" or "overlap"
+    begin: int
+    end: int
+    ranks: tuple = ()
+
+    @property
+    def fails(self) -> bool:
+        return self.kind == "gap"
+
+    def __str__(self) -> str:
+        who = (f"held by ranks {', '.join(map(str, self.ranks))}" if self.kind == "overlap"
+               else "held by no rank")
+        return f"{self.name}: {self.what}/ {self.kind} [{self.begin}, {self.end}) {who}"
+
+
+@dataclass
+class SyncStats:
+    """The param all-gather of one param: every rank's ``param/{name}`` against the shards."""
+
+    name: str
+    compared: int = 0
+    mismatched: int = 0        # elements differing in bits from the shard that holds them
+    ranks: list = field(default_factory=list)  # ranks whose gathered param differs
+    conflicts: int = 0         # elements where overlapping shards disagree
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched == 0 and self.conflicts == 0
 
 
 @dataclass
 class CheckReport:
-    """Result of :func:`check_dump`: per-param stats in spec order and the bound used."""
+    """Result of :func:`check`: per-param gradient stats in spec order (``stats``), the same
+    per rank (``rank_stats[name][rank]``), the bound per grad dtype, shard coverage issues and
+    the all-gather stats (``sync``)."""
 
     stats: list
     bounds: dict  # grad dtype -> formula
+    rank_stats: dict = field(default_factory=dict)
+    coverage: list = field(default_factory=list)
+    sync: list = field(default_factory=list)
+    spec: Any = None
+    source: str = ""
+    reduce_avg: bool = False
+    ranged: list = field(default_factory=list)  # params whose pieces came with range/
+
+    # ---------------------------------------------------------------- verdicts
+    def failures(self) -> list:
+        """``(name, kind, why)`` for every failure, in spec order; ``kind`` is ``grad``
+        (beyond the bound, Inf/NaN), ``gap`` (elements no rank holds) or ``gather`` (the
+        all-gather differs from the shards)."""
+        items = []
+        for s in self.stats:
+            if not s.ok:
+                simple = not (s.nonfinite or getattr(s, "mismatched", 0)
+                              or getattr(s, "overflow", 0))
+                items.append((s.name, "grad", f"err/bound {format_ratio(s.max_ratio)} on rank "
+                              f"{s.worst_rank}" if simple else (s.reason or "nonfinite")))
+        for c in self.coverage:
+            if c.fails:
+                items.append((c.name, "gap", f"{c.what}/ gap [{c.begin}, {c.end})"))
+        for s in self.sync:
+            if not s.ok:
+                what = []
+                if s.mismatched:
+                    what.append(f"all-gather differs on rank(s) {', '.join(map(str, s.ranks))}")
+                if s.conflicts:
+                    what.append(f"overlapping shards disagree in {s.conflicts} element(s)")
+                items.append((s.name, "gather", "; ".join(what)))
+        if self.spec is not None:
+            order = {p.name: i for i, p in enumerate(self.spec.params)}
+            items.sort(key=lambda item: order.get(item[0], len(order)))
+        return items
+
+    def reasons(self) -> dict:
+        """name -> why it fails (in spec order), for every failing param."""
+        out: dict = {}
+        for name, _, why in self.failures():
+            out.setdefault(name, []).append(why)
+        return {k: "; ".join(v) for k, v in out.items()}
 
     @property
     def failing(self) -> list:
-        return [s.name for s in self.stats if not s.ok]
+        return list(self.reasons())
+
+    @property
+    def failing_ranks(self) -> list:
+        ranks = set()
+        for name, per in self.rank_stats.items():
+            ranks.update(r for r, s in per.items() if not s.ok)
+        for s in self.sync:
+            ranks.update(s.ranks)
+        return sorted(ranks)
 
     @property
     def ok(self) -> bool:
         return not self.failing
 
-    def to_json(self, spec: Any) -> dict:
+    def raise_for_failure(self) -> "CheckReport":
+        """Raise :class:`OracleMismatch` naming the failing params and ranks; else return self
+        (so ``check(...).raise_for_failure()`` chains in tests)."""
+        if self.ok:
+            return self
+        reasons = self.reasons()
+        head = "; ".join(f"{n} ({why})" for n, why in list(reasons.items())[:10])
+        more = f" and {len(reasons) - 10} more" if len(reasons) > 10 else ""
+        ranks = self.failing_ranks
+        where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+        raise OracleMismatch(f"oracle: {len(reasons)} param(s) do not match the reference"
+                             f"{where}: {head}{more}\n{self}", self)
+
+    # ---------------------------------------------------------------- output
+    def to_json(self, spec: Any = None) -> dict:
+        """The report as JSON-ready data (``null`` for an infinite ratio)."""
+        spec = spec if spec is not None else self.spec
+
         def num(x: float) -> Optional[float]:
             return None if math.isinf(x) or math.isnan(x) else x
 
-        return {
-            "verdict": "PASS" if self.ok else "FAIL",
-            "act": spec.act, "nranks": spec.nranks, "acc_steps": spec.acc_steps,
-            "average": spec.average, "dst": spec.dst, "bound": self.bounds,
-            "params": [{"name": s.name, "compared": s.compared, "max_abs_err": num(s.max_abs),
-                        "max_rel_err": num(s.max_rel), "err_over_bound": num(s.max_ratio),
-                        "worst_rank": s.worst_rank, "nonfinite": s.nonfinite,
-                        "nonfinite_reference": s.nonfinite_ref,
-                        "nonfinite_mismatch": s.mismatched, "overflow": s.overflow,
-                        "beyond_bound": s.beyond, "ok": s.ok, "reason": s.reason}
-                       for s in self.stats],
-        }
+        def row(s: ErrorStats) -> dict:
+            return {"name": s.name, "compared": s.compared, "max_abs_err": num(s.max_abs),
+                    "max_rel_err": num(s.max_rel), "err_over_bound": num(s.max_ratio),
+                    "worst_rank": s.worst_rank, "nonfinite": s.nonfinite,
+                    "nonfinite_reference": s.nonfinite_ref, "nonfinite_mismatch": s.mismatched,
+                    "overflow": s.overflow, "beyond_bound": s.beyond, "ok": s.ok,
+                    "reason": s.reason}
+
+        params = []
+        for s in self.stats:
+            entry = row(s)
+            entry["ranks"] = [{"rank": r, "compared": rs.compared,
+                               "err_over_bound": num(rs.max_ratio), "ok": rs.ok}
+                              for r, rs in sorted(self.rank_stats.get(s.name, {}).items())]
+            params.append(entry)
+        doc = {"verdict": "PASS" if self.ok else "FAIL"}
+        if spec is not None:
+            doc.update({"act": spec.act, "nranks": spec.nranks, "acc_steps": spec.acc_steps,
+                        "average": spec.average, "dst": spec.dst})
+        doc.update({
+            "bound": self.bounds, "params": params,
+            "coverage": [{"name": c.name, "what": c.what, "kind": c.kind, "begin": c.begin,
+                          "end": c.end, "ranks": list(c.ranks)} for c in self.coverage],
+            "sync_params": [{"name": s.name, "compared": s.compared,
+                             "mismatched": s.mismatched, "ranks": s.ranks,
+                             "conflicts": s.conflicts, "ok": s.ok} for s in self.sync],
+            "failing": self.reasons(),
+        })
+        return doc
+
+    def lines(self) -> list:
+        """The human report, one string per line (what ``mpifusion check`` prints)."""
+        spec = self.spec
+        out = []
+        if spec is not None:
+            cut = ("each rank's range/ of the flattened gradient" if self.ranged else
+                   "each rank's slice of the padded gradient")
+            what = {"all_reduce": "full gradient on every rank", "reduce": f"on root {spec.dst}",
+                    "reduce_scatter": cut}[spec.act]
+            out.append(f"check {self.source}: {spec.act} ({what}), {spec.nranks} rank(s), "
+                       f"acc_steps {spec.acc_steps}, {'mean' if spec.average else 'sum'} over "
+                       f"ranks")
+        for dtype, formula in self.bounds.items():
+            out.append(f"bound for {dtype} grads: {formula}")
+        if self.stats:
+            width = max(len("param"), *(len(s.name) for s in self.stats))
+            out.append(f"{'param':<{width}}  {'elements':>10}  {'max abs err':>11}  "
+                       f"{'max rel err':>11}  {'err/bound':>9}  {'rank':>4}  status")
+            for s in self.stats:
+                status = "ok" if s.ok else ("NONFINITE" if s.nonfinite else "FAIL")
+                rank = "-" if s.worst_rank is None else s.worst_rank
+                out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.max_abs:>11.3g}  "
+                           f"{s.max_rel:>11.3g}  {format_ratio(s.max_ratio):>9}  {rank:>4}  "
+                           f"{status}")
+            for s in self.stats:
+                why = getattr(s, "reason", None)
+                if why:
+                    out.append(f"{s.name}: {why}")
+        for c in self.coverage:
+            out.append(f"{'GAP' if c.fails else 'note'}: {c}")
+        if self.sync:
+            width = max(len("param"), *(len(s.name) for s in self.sync))
+            out.append(f"sync_params (all-gather, bit-exact):")
+            out.append(f"{'param':<{width}}  {'elements':>10}  {'differ':>8}  ranks")
+            for s in self.sync:
+                ranks = ", ".join(map(str, s.ranks)) or "-"
+                extra = f"  ({s.conflicts} conflicting shard element(s))" if s.conflicts else ""
+                out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.mismatched:>8}  {ranks}"
+                           f"{extra}")
+        reasons = self.reasons()
+        checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
+        if not reasons:
+            parts = [f"{len(self.stats)} params within the bound"] if self.stats else []
+            if self.sync:
+                parts.append(f"{len(self.sync)} gathered params exact")
+            out.append(f"PASS: {', '.join(parts) or f'{checked} params'}")
+        elif all(kind == "grad" for _, kind, _ in self.failures()):
+            bad = list(reasons)
+            out.append(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
+                       f"{' ...' if len(bad) > 10 else ''}")
+        else:
+            items = list(reasons.items())
+            out.append(f"FAIL: {len(items)} param(s): "
+                       + ", ".join(f"{n} ({why})" for n, why in items[:10])
+                       + (" ..." if len(items) > 10 else ""))
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
 
-def check_dump(spec: Any, directory: str) -> CheckReport:
-    """Check another implementation's dump (README, "Checking another implementation")
-    against the float64 reference recomputed from its own inputs."""
-    nranks = spec.nranks
-    if nranks is None:
-        raise DumpError("nranks: required by check (the number of rank files to read)")
-    act, acc = spec.act, spec.acc_steps
-    params = spec.fused_params()
-    slots = {}
-    if act == "reduce_scatter":
-        for buf in spec.plan(nranks):
-            for p in buf.params:
-                slots[p.name] = buf.layout
-    paths = _rank_files(directory, nranks)
-    files = [_open_npz(path) for path in paths]
-    report = CheckReport([], {})
+# --------------------------------------------------------------------------- inputs
+
+
+class _MemoryDump:
+    """An in-memory rank record (``{key: array}``) read like a :class:`~.dumps.DumpFile`:
+    ``files``, ``in`` and ``[key]`` (the array as given)."""
+
+    def __init__(self, arrays: Mapping, label: str) -> None:
+        for key in arrays:
+            if not isinstance(key, str):
+                raise DumpError(f"{label}: key {key!r}: expected a string such as 'out/w'")
+        self._arrays = arrays
+        self.files = list(arrays)
+        self.path = label
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._arrays
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        value = self._arrays[key]
+        if isinstance(value, np.ndarray):
+            return value
+        try:
+            return np.asarray(value)
+        except Exception as exc:  # a framework tensor numpy cannot read (e.g. on a GPU)
+            raise DumpError(f"{self.path}: {key}: not convertible to a numpy array "
+                            f"({type(value).__name__}: {exc})") from None
+
+    def close(self) -> None:
+        pass
+
+
+def _bad_range(label: str, key: str, dtype: Any, shape: tuple) -> DumpError:
+    return DumpError(f"{label}: {key}: expected two ints [begin, end) of the flattened param, "
+                     f"got dtype {dtype} shape {list(shape)}")
+
+
+def _int_pair(f: Any, label: str, key: str) -> tuple:
+    """``range/{name}`` as two Python ints; a file's header is checked before its data is
+    read."""
+    if isinstance(f, _MemoryDump):
+        shape, dtype = f[key].shape, f[key].dtype
+    else:
+        m = f.member(key)
+        shape, dtype = m.shape, m.dtype
+    if tuple(shape) != (2,) or dtype.kind not in "iu":
+        raise _bad_range(label, key, dtype, shape)
+    arr = f[key]
+    return int(arr[0]), int(arr[1])
+
+
+def as_spec(spec: Any) -> Any:
+    """A :class:`~mpifusion.spec.Spec` from a Spec, a dict (the JSON layout) or a JSON path."""
+    from ..spec import Spec, load_spec
+
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, Mapping):
+        return Spec.from_dict(dict(spec), source="<spec dict>")
+    if isinstance(spec, (str, os.PathLike)):
+        return load_spec(spec)
+    from ..spec import SpecError
+
+    raise SpecError(f"expected a Spec, a dict or the path of a JSON spec, got "
+                    f"{type(spec).__name__}")
+
+
+def _open_dumps(dumps: Any, nranks: Optional[int]) -> tuple:
+    """``(labels, files, source)``: one readable record per rank, in rank order."""
+    if isinstance(dumps, (str, os.PathLike)):
+        directory = os.fspath(dumps)
+        if nranks is None:
+            raise DumpError("nranks: required by check (the number of rank files to read)")
+        paths = _rank_files(directory, nranks)
+        files = []
+        try:
+            for path in paths:
+                files.append(_open_npz(path))
+        except DumpError:
+            for f in files:
+                f.close()
+            raise
+        return paths, files, directory
+    if isinstance(dumps, Mapping) or not isinstance(dumps, Iterable):
+        raise DumpError(f"dumps: expected a directory, or a list with one .npz path or dict "
+                        f"of arrays per rank, got {type(dumps).__name__}")
+    items = list(dumps)
+    if not items:
+        raise DumpError("dumps: empty list (expected one .npz path or dict per rank)")
+    if nranks is not None and len(items) != nranks:
+        raise DumpError(f"dumps: {len(items)} rank record(s) given, but the spec says nranks="
+                        f"{nranks}")
+    labels, files = [], []
     try:
-        for p in params:
-            grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
-            report.bounds.setdefault(grad_dtype, bound_model(
-                grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                average=spec.average).formula)
-            terms = []
-            for path, f in zip(paths, files):
-                for k in range(acc):
-                    x = _array(f, path, f"in/{p.name}/{k}", p.shape, p.dtype,
-                               missing_ok=p.stop_gradient)
-                    terms.append(np.zeros(p.shape) if x is None else x)
-            ref, absolute = summed(terms)
-            del terms
-            if spec.average:
-                ref /= nranks
-            bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                                average=spec.average)
-            stats = ErrorStats(p.name)
-            for rank, (path, f) in enumerate(zip(paths, files)):
-                key = f"out/{p.name}"
-                if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
-                    out = _array(f, path, key, p.shape, p.dtype)
-                    stats.update(out.reshape(-1), ref.reshape(-1), bound.reshape(-1), rank)
-                elif act == "reduce_scatter":
-                    lay = slots[p.name]
-                    piece = lay.slice_of(p.name, rank)
-                    begin, end = piece if piece else (0, 0)
-                    out = _array(f, path, key, (end - begin,), p.dtype, missing_ok=not piece)
-                    if out is None or not piece:
-                        continue
-                    slot = lay[p.name]
-                    pad = slot.padded_numel - slot.numel
-                    lo, hi = begin - slot.offset, end - slot.offset
-                    ref_p = np.concatenate([ref.reshape(-1), np.zeros(pad)])[lo:hi]
-                    bound_p = np.concatenate([bound.reshape(-1), np.zeros(pad)])[lo:hi]
-                    stats.update(out, ref_p, bound_p, rank)
-            report.stats.append(stats)
+        for r, item in enumerate(items):
+            if isinstance(item, Mapping):
+                labels.append(f"rank {r} (in memory)")
+                files.append(_MemoryDump(item, labels[-1]))
+            elif isinstance(item, (str, os.PathLike)):
+                labels.append(os.fspath(item))
+                if not os.path.isfile(labels[-1]):
+                    raise DumpError(f"{labels[-1]}: missing (rank {r}'s dump)")
+                files.append(_open_npz(labels[-1]))
+            else:
+                raise DumpError(f"dumps[{r}]: expected a .npz path or a dict of arrays, got "
+                                f"{type(item).__name__}")
+    except DumpError:
+        for f in files:
+            f.close()
+        raise
+    kinds = {type(f) for f in files}
+    source = (f"{len(items)} in-memory rank record(s)" if kinds == {_MemoryDump}
+              else ", ".join(labels) if len(labels) <= 3 else f"{labels[0]} ... {labels[-1]}")
+    return labels, files, source
+
+
+def _read_range(f: Any, label: str, key: str, numel: int) -> Optional[tuple]:
+    """``[begin, end)`` of ``range/{name}``: two ints with ``0 <= begin <= end <= numel``."""
+    if key not in f:
+        return None
+    begin, end = _int_pair(f, label, key)
+    if not 0 <= begin <= end <= numel:
+        raise DumpError(f"{label}: {key}: [{begin}, {end}) is not within [0, {numel}) of the "
+                        f"flattened param (expected 0 <= begin <= end <= {numel})")
+    return begin, end
+
+
+def _coverage(name: str, what: str, pieces: dict, numel: int) -> list:
+    """Gaps and overlaps of ``{rank: (begin, end)}`` over ``[0, numel)``."""
+    events = sorted({0, numel, *(b for b, e in pieces.values() if b < e),
+                     *(e for b, e in pieces.values() if b < e)})
+    issues: list = []
+    for lo, hi in zip(events, events[1:]):
+        holders = tuple(r for r, (b, e) in sorted(pieces.items()) if b <= lo and hi <= e)
+        kind = "gap" if not holders else "overlap" if len(holders) > 1 else None
+        if kind is None:
+            continue
+        last = issues[-1] if issues else None
+        if last is not None and last.kind == kind and last.end == lo and last.ranks == holders:
+            issues[-1] = CoverageIssue(name, what, kind, last.begin, hi, holders)
+        else:
+            issues.append(CoverageIssue(name, what, kind, lo, hi, holders))
+    return issues
+
+
+class _PaddleSlices:
+    """Paddle's reduce-scatter cut (``build_reduce_scatter_buffer``), planned once, lazily."""
+
+    def __init__(self, spec: Any, nranks: int) -> None:
+        self._spec, self._nranks, self._slots = spec, nranks, None
+
+    def piece(self, name: str, rank: int) -> Optional[tuple]:
+        """``(lo, hi)`` of the param's padded slot held by ``rank`` (``hi`` may pass numel:
+        padding), or None."""
+        if self._slots is None:
+            self._slots = {p.name: buf.layout for buf in self._spec.plan(self._nranks)
+                           for p in buf.params}
+        lay = self._slots[name]
+        piece = lay.slice_of(name, rank)
+        if not piece:
+            return None
+        slot = lay[name]
+        return piece[0] - slot.offset, piece[1] - slot.offset
+
+
+# --------------------------------------------------------------------------- check
+
+
+def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckReport:
+    """Check another implementation's dump against the float64 reference recomputed from its
+    own inputs, and its param all-gather bit-exact.
+
+    ``spec``: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path. ``dumps``: a
+    directory of ``rank{r}.npz``, or a list (rank order) of ``.npz`` paths or dicts of arrays.
+    ``reduce_avg``: the implementation averaged inside the collective (Paddle's
+    ``use_reduce_avg``), so non-root ranks of ``reduce`` keep their unscaled local sum.
+    Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank and key);
+    a mismatch does not raise: see ``report.ok`` and ``report.raise_for_failure()``.
+    """
+    spec = as_spec(spec)
+    nranks = spec.nranks
+    if nranks is None and not isinstance(dumps, (str, os.PathLike)):
+        try:
+            nranks = len(dumps)  # type: ignore[arg-type]
+        except TypeError:
+            nranks = None
+        if nranks:
+            import dataclasses
+
+            spec = dataclasses.replace(spec, nranks=nranks)
+    labels, files, source = _open_dumps(dumps, nranks)
+    nranks = len(files)
+    try:
+        return _check(spec, nranks, labels, files, source, bool(reduce_avg))
     finally:
         for f in files:
             f.close()
+
+
+def check_dump(spec: Any, directory: str) -> CheckReport:
+    """``check`` of a directory (kept for callers of the first API)."""
+    return check(spec, directory)
+
+
+def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
+           reduce_avg: bool) -> CheckReport:
+    act, acc = spec.act, spec.acc_steps
+    keys = [set(f.files) for f in files]
+    has_inputs = any(k.startswith("in/") for ks in keys for k in ks)
+    has_sync = any(k.startswith(("shard/", "param/")) for ks in keys for k in ks)
+    if not has_inputs and not has_sync:
+        raise DumpError(f"{labels[0]}: no in/{{name}}/{{k}} (gradients) nor shard/ and param/ "
+                        f"(all-gather) keys: nothing to check")
+    slices = _PaddleSlices(spec, nranks)
+    report = CheckReport([], {}, spec=spec, source=source, reduce_avg=reduce_avg)
+    for p in spec.fused_params():
+        ranges = [_read_range(f, lab, f"range/{p.name}", p.numel) for f, lab in zip(files, labels)]
+        if has_inputs:
+            _check_grads(report, p, spec, nranks, acc, act, labels, files, ranges, slices,
+                         reduce_avg)
+        if any(f"shard/{p.name}" in ks or f"param/{p.name}" in ks for ks in keys):
+            _check_gather(report, p, act, labels, files, ranges, slices)
     return report
+
+
+def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, act: str,
+                 labels: list, files: list, ranges: list, slices: _PaddleSlices,
+                 reduce_avg: bool) -> None:
+    grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
+    report.bounds.setdefault(grad_dtype, bound_model(
+        grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc, average=spec.average).formula)
+    glob = ReferenceSum()
+    local = []  # per rank (REDUCE only, for the non-root rule): its own ReferenceSum
+    for lab, f in zip(labels, files):
+        own = ReferenceSum() if act == "reduce" else None
+        for k in range(acc):
+            x = _array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
+            x = np.zeros(p.shape) if x is None else x
+            glob.add(x)
+            if own is not None:
+                own.add(x)
+        local.append(own)
+    ref, absolute, overflow = glob.total, glob.absolute, glob.overflow.reshape(-1)
+    if spec.average:
+        ref /= nranks
+    bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
+                        average=spec.average)
+    stats = ErrorStats(p.name)
+    per_rank: dict = {}
+    ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
+    key = f"out/{p.name}"
+    use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
+    pieces: dict = {}
+    if use_ranges:
+        for lab, f, rng in zip(labels, files, ranges):
+            if rng is None and key in f:
+                given = next(r for r, g in enumerate(ranges) if g is not None)
+                raise DumpError(f"{lab}: range/{p.name}: missing (out/{p.name} is given and "
+                                f"rank {given} gives a range: every rank that holds a piece "
+                                f"gives its [begin, end))")
+
+    def fold(rank: int, out: np.ndarray, want: np.ndarray, tol: np.ndarray,
+             over: np.ndarray, offset: int = 0) -> None:
+        rs = ErrorStats(p.name)
+        rs.update(out, want, tol, rank, overflow=over, offset=offset)
+        if rs.compared:
+            per_rank[rank] = rs
+            stats.merge(rs)
+
+    for rank, (lab, f) in enumerate(zip(labels, files)):
+        if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
+            out = _array(f, lab, key, p.shape, p.dtype)
+            fold(rank, out.reshape(-1), ref_flat, bound_flat, overflow)
+        elif act == "reduce":
+            # Paddle's rule off the root: the rank keeps its own accumulated grads, scaled by
+            # 1/n like the whole buffer unless the collective averaged (use_reduce_avg)
+            out = _array(f, lab, key, p.shape, p.dtype, missing_ok=True)
+            if out is None:
+                continue
+            scaled = spec.average and not reduce_avg
+            c = 1.0 / nranks if scaled else 1.0
+            own = local[rank]
+            tol = error_bound(own.absolute * c, grad_dtype=grad_dtype, nranks=1,
+                              acc_steps=acc, average=scaled)
+            fold(rank, out.reshape(-1), (own.total * c).reshape(-1), tol.reshape(-1),
+                 own.overflow.reshape(-1))
+        elif use_ranges:
+            rng = ranges[rank]
+            if rng is None:
+                continue
+            begin, end = rng
+            pieces[rank] = rng
+            out = _array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end)
+            if out is not None and end > begin:
+                fold(rank, out, ref_flat[begin:end], bound_flat[begin:end],
+                     overflow[begin:end], begin)
+        else:  # reduce_scatter, Paddle's cut: a slice of the padded slot (padding must be 0)
+            piece = slices.piece(p.name, rank)
+            lo, hi = piece if piece else (0, 0)
+            out = _array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece)
+            if out is None or not piece:
+                continue
+            pad = max(hi - p.numel, 0)
+            fold(rank, out, np.concatenate([ref_flat, np.zeros(pad)])[lo:hi],
+                 np.concatenate([bound_flat, np.zeros(pad)])[lo:hi],
+                 np.concatenate([overflow, np.zeros(pad, dtype=bool)])[lo:hi], lo)
+    if use_ranges:
+        report.ranged.append(p.name)
+        report.coverage.extend(_coverage(p.name, "out", pieces, p.numel))
+    report.stats.append(stats)
+    report.rank_stats[p.name] = per_rank
+
+
+def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise: not the same number (NaN equals NaN; -0 differs from +0)."""
+    same = (a == b) & (np.signbit(a) == np.signbit(b))
+    return ~(same | (np.isnan(a) & np.isnan(b)))
+
+
+def _check_gather(report: CheckReport, p: Any, act: str, labels: list, files: list,
+                  ranges: list, slices: _PaddleSlices) -> None:
+    numel = p.numel
+    expected = np.zeros(numel)
+    covered = np.zeros(numel, dtype=bool)
+    stats = SyncStats(p.name)
+    pieces: dict = {}
+    for rank, (lab, f) in enumerate(zip(labels, files)):
+        key = f"shard/{p.name}"
+        if key not in f:
+            continue
+        rng = ranges[rank]
+        if rng is not None:
+            lo, hi = rng
+        elif act == "reduce_scatter":
+            piece = slices.piece(p.name, rank)
+            lo, hi = piece if piece else (0, 0)
+        else:
+            raise DumpError(f"{lab}: range/{p.name}: missing (shard/{p.name} needs the "
+                            f"[begin, end) it covers; act {act} has no default cut)")
+        shard = _array(f, lab, key, (hi - lo,), p.dtype)
+        hi_in = min(hi, numel)  # Paddle's cut may run into padding: not part of the param
+        if hi_in <= lo:
+            continue
+        shard = shard[:hi_in - lo]
+        pieces[rank] = (lo, hi_in)
+        seen = covered[lo:hi_in]
+        stats.conflicts += int(np.count_nonzero(
+            seen & _bits_differ(expected[lo:hi_in], shard)))
+        expected[lo:hi_in] = np.where(seen, expected[lo:hi_in], shard)
+        covered[lo:hi_in] = True
+    if not pieces:
+        raise DumpError(f"{labels[0]}: shard/{p.name}: missing on every rank (param/{p.name} "
+                        f"is checked against the shards ranks held before the all-gather)")
+    gathered = [(rank, lab, f) for rank, (lab, f) in enumerate(zip(labels, files))
+                if f"param/{p.name}" in f]
+    if not gathered:
+        raise DumpError(f"{labels[0]}: param/{p.name}: missing on every rank (the full param "
+                        f"after the all-gather, shaped {list(p.shape)})")
+    for rank, lab, f in gathered:
+        full = _array(f, lab, f"param/{p.name}", p.shape, p.dtype).reshape(-1)
+        bad = int(np.count_nonzero(covered & _bits_differ(full, expected)))
+        stats.compared += int(np.count_nonzero(covered))
+        if bad:
+            stats.mismatched += bad
+            stats.ranks.append(rank)
+    report.coverage.extend(_coverage(p.name, "shard", pieces, numel))
+    report.sync.append(stats)
+

@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--spec", required=True, metavar="FILE", help="JSON spec of the dump")
     chk.add_argument("dir", metavar="DIR", help="folder with rank{r}.npz per rank")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")
+    chk.add_argument("--plot", metavar="FILE.png",
+                     help="also draw error/bound per param and rank into FILE.png (matplotlib)")
+    chk.add_argument("--reduce-avg", action="store_true",
+                     help="the implementation averaged in the collective (use_reduce_avg): "
+                     "non-root ranks of reduce keep their unscaled local sum")
 
     inf = sub.add_parser("info", help="MPI library, thread level, CUDA-awareness, versions")
     inf.add_argument("--json", action="store_true", help="print as JSON")
@@ -350,38 +355,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ..oracle import check_dump, format_ratio
-    from ..spec import load_spec
+    """A thin layer over :func:`mpifusion.oracle.check`: print its report, exit 0/1."""
+    from ..oracle import check
 
-    spec = load_spec(args.spec)
-    report = check_dump(spec, args.dir)
+    report = check(args.spec, args.dir, reduce_avg=args.reduce_avg)
+    if args.plot:
+        from ..oracle.plot import PlotError, plot_report
+
+        try:
+            plot_report(report, args.plot)
+        except PlotError as exc:
+            raise UsageError(f"--plot: {exc}") from None
     if args.json:
-        _say(json.dumps(report.to_json(spec), indent=1))
-        return EXIT_PASS if report.ok else EXIT_FAIL
-    what = {"all_reduce": "full gradient on every rank", "reduce": f"on root {spec.dst}",
-            "reduce_scatter": "each rank's slice of the padded gradient"}[spec.act]
-    _say(f"check {args.dir}: {spec.act} ({what}), {spec.nranks} rank(s), acc_steps "
-         f"{spec.acc_steps}, {'mean' if spec.average else 'sum'} over ranks")
-    for dtype, formula in report.bounds.items():
-        _say(f"bound for {dtype} grads: {formula}")
-    width = max(len("param"), *(len(s.name) for s in report.stats))
-    _say(f"{'param':<{width}}  {'elements':>10}  {'max abs err':>11}  {'max rel err':>11}  "
-         f"{'err/bound':>9}  {'rank':>4}  status")
-    for s in report.stats:
-        status = "ok" if s.ok else ("NONFINITE" if s.nonfinite else "FAIL")
-        _say(f"{s.name:<{width}}  {s.compared:>10}  {s.max_abs:>11.3g}  {s.max_rel:>11.3g}  "
-             f"{format_ratio(s.max_ratio):>9}  {'-' if s.worst_rank is None else s.worst_rank:>4}"
-             f"  {status}")
-    if report.ok:
-        _say(f"PASS: {len(report.stats)} params within the bound")
-        return EXIT_PASS
-    bad = report.failing
-    for s in report.stats:
-        if not s.ok:
-            _say(f"{s.name}: {s.reason}")
-    _say(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
-         f"{' ...' if len(bad) > 10 else ''}")
-    return EXIT_FAIL
+        _say(json.dumps(report.to_json(), indent=1))
+    else:
+        for line in report.lines():
+            _say(line)
+        if args.plot:
+            _say(f"plot: {args.plot}")
+    return EXIT_PASS if report.ok else EXIT_FAIL
 
 
 _THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",

@@ -101,15 +101,33 @@ def test_sum_not_mean_and_nan_fail(capsys, good, tmp_path):
     assert code == 1 and "NONFINITE" in out
 
 
-def test_reduce_checks_the_root_only(capsys, tmp_path):
+def test_reduce_checks_the_root_and_dumped_non_roots(capsys, tmp_path):
+    """The root holds the reduced grads; a non-root rank that dumps its buffer must hold its
+    own grads (Paddle's rule: local values, scaled by 1/n with the rest when averaging)."""
     grads = _inputs(2, 1, seed=3)
     reduced = _fp32_sum(grads, 1, average=False)
     junk = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
-    folder = _dump(tmp_path / "dump", grads, [junk, reduced])
     spec = _write_spec(tmp_path, act="reduce", nranks=2, dst=1, acc_steps=1)
-    assert run_cli(capsys, "check", "--spec", spec, folder)[0] == 0
+    omitted = _dump(tmp_path / "omitted", grads, [{}, reduced])
+    assert run_cli(capsys, "check", "--spec", spec, omitted)[0] == 0
+    own = {n: grads[0][n][0].copy() for n in SHAPES}
+    assert run_cli(capsys, "check", "--spec", spec, _dump(tmp_path / "own", grads,
+                                                           [own, reduced]))[0] == 0
+    folder = _dump(tmp_path / "dump", grads, [junk, reduced])
+    code, out, _ = run_cli(capsys, "check", "--spec", spec, folder)
+    assert code == 1 and all(n in out.strip().splitlines()[-1] for n in SHAPES)
     spec0 = _write_spec(tmp_path, act="reduce", nranks=2, dst=0, acc_steps=1)
     assert run_cli(capsys, "check", "--spec", spec0, folder)[0] == 1
+    # averaged: the root holds the mean, the non-root its own grads times 1/2 ...
+    spec_avg = _write_spec(tmp_path, act="reduce", nranks=2, dst=1, acc_steps=1, average=True)
+    mean = _fp32_sum(grads, 1, average=True)
+    half = {n: (x * np.float32(0.5)).astype(np.float32) for n, x in own.items()}
+    avg = _dump(tmp_path / "avg", grads, [half, mean])
+    assert run_cli(capsys, "check", "--spec", spec_avg, avg)[0] == 0
+    # ... unless the collective averaged (use_reduce_avg): then unscaled
+    assert run_cli(capsys, "check", "--spec", spec_avg, avg, "--reduce-avg")[0] == 1
+    unscaled = _dump(tmp_path / "unscaled", grads, [own, mean])
+    assert run_cli(capsys, "check", "--spec", spec_avg, unscaled, "--reduce-avg")[0] == 0
 
 
 def test_reduce_scatter_slices(capsys, tmp_path):

@@ -1,0 +1,49 @@
+"""The README's "Use mpifusion as the oracle in your tests" blocks run as written (each as a
+script, with a hard timeout) and say what they promise; each is skipped where its framework
+is not installed."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTION = "## Use mpifusion as the oracle in your tests"
+
+
+def blocks() -> dict:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index(SECTION)
+    section = text[start:text.index("\n## ", start + len(SECTION))]
+    found = {}
+    for code in re.findall(r"```python\n(.*?)```", section, re.S):
+        for name in ("torch", "paddle", "jax"):
+            if re.search(rf"^import {name}\b", code, re.M):
+                found[name] = code
+                break
+    return found
+
+
+def test_the_section_has_a_block_per_framework():
+    assert sorted(blocks()) == ["jax", "paddle", "torch"]
+
+
+@pytest.mark.parametrize("framework, last", [
+    ("torch", r"^0\.weight [\d.e-]+ of the bound; 4 all-gathers exact$"),
+    ("paddle", r"^PASS: 4 params within the bound$"),
+    ("jax", r"^PASS: 2 params within the bound$"),
+])
+def test_readme_block_runs(tmp_path, framework, last):
+    if importlib.util.find_spec(framework) is None:
+        pytest.skip(f"{framework} is not installed (pip install -e '.[{framework}]')")
+    script = tmp_path / f"oracle_{framework}.py"
+    script.write_text(blocks()[framework], encoding="utf-8")
+    out = run_job(1, [sys.executable, str(script)], timeout=150, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    assert re.match(last, lines[-1]), out.stdout[-2000:]
