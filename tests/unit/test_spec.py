@@ -59,6 +59,17 @@ def test_full_spec():
     assert isinstance(s.params, tuple) and isinstance(p.shape, tuple)
 
 
+def test_frozen_params_are_not_fused():
+    """Paddle's trainable is not stop_gradient: either flag keeps a param out of the buffers."""
+    d = base()
+    d["params"][0]["trainable"] = False
+    d["params"][1]["stop_gradient"] = True
+    s = Spec.from_dict(d)
+    names = [p.name for p in s.params]
+    assert [p.name for p in s.fused_params()] == names[2:]
+    assert all(p.name in names[2:] for b in s.plan() for p in b.params)
+
+
 @pytest.mark.parametrize("alias,canon", [
     ("float16", "float16"), ("fp16", "float16"), ("half", "float16"),
     ("bfloat16", "bfloat16"), ("bf16", "bfloat16"), ("BF16", "bfloat16"),
