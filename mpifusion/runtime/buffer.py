@@ -566,7 +566,11 @@ class FusedCommBuffer(ShardedParams):
 
     # ------------------------------------------------------------------ grad storage lifetime
     def clear_grad_storage(self) -> None:
-        """Release the grad buffer (after the optimizer used it, with release_grads)."""
+        """Release the grad buffer (after the optimizer used it, with release_grads).
+
+        The params' grad views go too (Paddle leaves them holding the reduced values): a kept
+        view would keep the whole buffer alive, and the next step would reduce it again.
+        """
         if self._task is not None and not self._task.is_completed():
             raise StateError(f"{self._where()}: clear_grad_storage: communication still in "
                             f"flight; expected scale_grads() first")
