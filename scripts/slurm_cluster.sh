@@ -19,7 +19,7 @@ NODE=$(hostname -s)
 export SLURM_CONF=$CONF
 
 say() { echo "slurm_cluster: $*"; }
-die() { echo "slurm_cluster: error: $*" >&2; exit "${2:-1}"; }
+die() { echo "slurm_cluster: error: $1" >&2; exit "${2:-1}"; }
 
 pid_alive() {  # pid_alive FILE: the pid in FILE is a live process
   [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
@@ -121,6 +121,7 @@ usable() {
 cmd_start() {
   mkdir -p "$DIR"
   if usable; then say "already running (SLURM_CONF=$CONF)"; return 0; fi
+  [ "$(id -u)" = 0 ] || die "not root: this cluster runs its daemons as root (SlurmUser=root)" 3
   install_slurm
   cmd_stop >/dev/null 2>&1 || true   # leftovers of a half-started cluster
   write_conf
