@@ -290,7 +290,7 @@ class Verifier:
         index = {p.name: i for i, p in enumerate(self.job.params)}
         for buf in self.job.buffers:
             lay = buf.layout
-            if buf.act == HookAction.REDUCE and self.rank != buf.dst:
+            if buf.act == HookAction.REDUCE and self.rank != buf.dst_rank:
                 continue  # the result lives on the root only
             storage = buf.grad_storage
             for p in buf.params:
