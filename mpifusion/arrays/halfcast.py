@@ -86,7 +86,7 @@ def widen(src: Any, out: Optional[Any] = None) -> Any:
         out = np.empty(src.shape, float32)
     _check(src, out, HALF, (float32,), "widen")
     if not _fast(src, out):
-        out.reshape(-1)[...] = src.reshape(-1)
+        out[...] = src.reshape(out.shape)  # reshaping the source, never the output (a copy)
         return out
     s16, o32 = src.reshape(-1).view(_u16), out.reshape(-1).view(_u32)
     kernel = _kernels.widen_f16 if src.dtype == float16 else _kernels.widen_bf16
@@ -103,7 +103,7 @@ def narrow(src: Any, out: Any) -> Any:
     _check(src, out, (float32,), HALF, "narrow")
     if not _fast(src, out):
         with np.errstate(over="ignore", invalid="ignore"):
-            out.reshape(-1)[...] = src.reshape(-1)
+            out[...] = src.reshape(out.shape)  # never reshape the output: it may copy
         return out
     s32, o16 = src.reshape(-1).view(_u32), out.reshape(-1).view(_u16)
     kernel = _kernels.narrow_f16 if out.dtype == float16 else _kernels.narrow_bf16

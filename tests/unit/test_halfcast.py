@@ -161,6 +161,13 @@ def test_shapes_and_fallbacks(dt, monkeypatch):
     halfcast.narrow(src, strided)
     assert_bits(np.ascontiguousarray(strided).reshape(-1), want.reshape(-1), src.reshape(-1),
                 "strided")
+    gappy = np.empty((64, 66), dt)[:, :33]  # not even a 1-D strided view
+    halfcast.narrow(src, gappy)
+    assert_bits(np.ascontiguousarray(gappy).reshape(-1), want.reshape(-1), src.reshape(-1),
+                "gappy")
+    wide_out = np.empty((64, 40), float32)[:, :33]
+    halfcast.widen(want, wide_out)
+    assert np.array_equal(wide_out.view(np.uint32), want.astype(float32).view(np.uint32))
     wide = halfcast.widen(want[:, ::3])  # non-contiguous source
     assert np.array_equal(wide.view(np.uint32), want[:, ::3].astype(float32).view(np.uint32))
     monkeypatch.setenv("MPIFUSION_HALFCAST", "numpy")
