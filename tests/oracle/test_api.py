@@ -391,7 +391,7 @@ def test_plot_draws_error_over_bound_per_param_and_rank(tmp_path, capsys):
     assert code == 2 and "--plot" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize("nranks", [2, 3, 8])
 def test_reduce_non_root_rule_agrees_with_mpifusion_runtime(tmp_path, nranks):
     """mpifusion's REDUCE buffer (every rank dumped) passes the oracle's non-root rule for
     every way of scaling; use_reduce_avg needs reduce_avg=True (non-roots stay unscaled)."""

@@ -31,6 +31,10 @@ def main() -> int:
         h = jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
         return jnp.mean((h @ params["head"]["kernel"]) ** 2)
 
+    grad_fn = jax.pmap(jax.grad(loss), in_axes=(None, 0))
+    sync_fns = {op: jax.pmap(lambda g, op=op: getattr(jax.lax, op)(g, "d"), axis_name="d")
+                for op in ("pmean", "psum")}
+
     def save(case, caps, spec):
         d = os.path.join(out, case)
         for cap in caps:
@@ -44,8 +48,7 @@ def main() -> int:
         params = {"dense": {"kernel": jax.random.normal(k1, (17, 33), dtype) * 0.2,
                             "bias": jnp.zeros((33,), dtype)},
                   "head": {"kernel": jax.random.normal(k2, (33, 5), dtype) * 0.2}}
-        grad = jax.pmap(jax.grad(loss), in_axes=(None, 0))
-        sync = jax.pmap(lambda g: getattr(jax.lax, op)(g, "d"), axis_name="d")
+        grad, sync = grad_fn, sync_fns[op]  # built once: compiled once per dtype
         steps, total = [], None
         for k in range(acc):
             x = jax.random.normal(jax.random.fold_in(k3, k), (n, 8, 17), dtype)
