@@ -33,7 +33,7 @@ _PUBLIC = {
     "FusionError": "errors", "LayoutError": "errors", "AgreementError": "errors",
     "GradError": "errors", "CheckInError": "errors", "CommError": "errors",
     "CommTimeoutError": "errors", "NanInfError": "errors", "OptionError": "errors",
-    "StateError": "errors",
+    "StateError": "errors", "OrderError": "errors", "AbandonedError": "errors",
 }
 
 __all__ = list(_PUBLIC)

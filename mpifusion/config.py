@@ -18,6 +18,11 @@ STRATEGY_ENV = "MPIFUSION_COMM_STRATEGY"
 SEGMENT_ENV = "MPIFUSION_SEGMENT_BYTES"
 TIMEOUT_ENV = "MPIFUSION_TIMEOUT"
 AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
+#: ``strict`` (collectives start in program order, verified) or ``negotiated`` (ranks agree)
+ORDER_ENV = "MPIFUSION_ORDER"
+#: strict order: check before each collective that every rank starts the same one
+VERIFY_ORDER_ENV = "MPIFUSION_VERIFY_ORDER"
+ORDERS = ("strict", "negotiated")
 #: NaN/Inf check before communication; Paddle's flag name works too.
 NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
 CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
@@ -104,6 +109,13 @@ def parse_timeout(value: Any, what: str = "timeout") -> Optional[float]:
     return None if seconds > MAX_TIMEOUT else seconds
 
 
+def parse_order(value: Any, what: str = "order") -> str:
+    key = str(value).strip().lower()
+    if key not in ORDERS:
+        raise OptionError(f"{what}: expected one of {', '.join(ORDERS)}, got {value!r}")
+    return key
+
+
 def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     """``$MPIFUSION_CUDA_AWARE`` forced on/off, or None (ask the MPI library)."""
     environ = os.environ if environ is None else environ
@@ -146,13 +158,18 @@ class CommOptions:
     where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``segment_bytes``: size
     of the pieces a buffer is reduced in; ``None`` takes the strategy's default, 0 means one
     piece. ``timeout``: seconds any wait may take (``None``: forever). ``check_agreement``:
-    compare what every rank builds at construction.
+    compare what every rank builds at construction. ``order``: ``"strict"`` (collectives run
+    in the order they are started, the same on every rank) or ``"negotiated"`` (ranks agree
+    at run time on the order of the buffers ready everywhere). ``verify_order``: with
+    ``strict``, confirm before each collective that every rank starts the same one.
     """
 
     strategy: str = DEFAULT_STRATEGY
     segment_bytes: Optional[int] = None
     timeout: Optional[float] = None
     check_agreement: bool = True
+    order: str = "strict"
+    verify_order: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", parse_strategy(self.strategy))
@@ -161,6 +178,8 @@ class CommOptions:
         object.__setattr__(self, "timeout", parse_timeout(self.timeout))
         object.__setattr__(self, "check_agreement",
                            parse_bool(self.check_agreement, "check_agreement"))
+        object.__setattr__(self, "order", parse_order(self.order))
+        object.__setattr__(self, "verify_order", parse_bool(self.verify_order, "verify_order"))
 
     @property
     def segment(self) -> int:
@@ -196,5 +215,11 @@ class CommOptions:
         value = environ.get(AGREEMENT_ENV, "").strip()
         if value:
             fields["check_agreement"] = parse_bool(value, AGREEMENT_ENV)
+        value = environ.get(ORDER_ENV, "").strip()
+        if value:
+            fields["order"] = parse_order(value, ORDER_ENV)
+        value = environ.get(VERIFY_ORDER_ENV, "").strip()
+        if value:
+            fields["verify_order"] = parse_bool(value, VERIFY_ORDER_ENV)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)

@@ -55,3 +55,13 @@ class OracleMismatch(FusionError, AssertionError):
         self.report = report
         self.params = list(getattr(report, "failing", []))
         self.ranks = list(getattr(report, "failing_ranks", []))
+
+
+class OrderError(CommError):
+    """Ranks started different collectives at the same point of a communicator's stream
+    (another buffer, step, size or kind): nothing was exchanged, every rank raises it."""
+
+
+class AbandonedError(CommError):
+    """A collective on this communicator was given up (``reset(abandon=True)``) on some rank:
+    later collectives would pair with the stale one, so they refuse to run."""

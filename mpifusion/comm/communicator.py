@@ -16,11 +16,19 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
 
 Every collective is written once, as a generator of MPI calls (``collectives.py``); a
 strategy only decides whether each call is blocking (on the thread) or non-blocking.
+
+Order (``CommOptions.order``, see ``order.py``): ``strict`` runs collectives in start order,
+each preceded by a tiny check that every rank starts the same one (``verify_order``);
+``negotiated`` lets the ranks agree at run time on the order of the buffers ready everywhere.
+Each (strategy, order) pair is its own stream: its own private duplicate and engine. A
+separate *control* duplicate carries the construction-time agreement check and the start
+announcements, so building a buffer never meets another buffer's collectives in flight.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -28,13 +36,18 @@ from mpi4py import MPI
 from ..arrays import cuda
 from ..config import CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
-from ..errors import OptionError
+from ..errors import AbandonedError, OptionError, StateError
+from . import health, order as order_mod
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
-from .engines import _ENGINES, _NonBlockingEngine, _ThreadEngine, private_comm
+from .engines import _ThreadEngine, engine_for, engines_of, private_comm
+from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
 from .task import CommTask, Steps
 
 logger = logging.getLogger("mpifusion")
+
+#: negotiated order: which of a slot's item bits each kind of collective uses
+_ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER: 2}
 
 #: ``thread`` strategy: collectives of buffers up to this size run on the caller when nothing
 #: else is in flight on the communicator (measured: BENCHMARKS.md, small messages)
@@ -59,9 +72,11 @@ class Communicator:
     """
 
     def __init__(self, comm: MPI.Comm, options: Optional[CommOptions] = None,
-                 **overrides: Any) -> None:
+                 open: bool = True, **overrides: Any) -> None:
         """``options`` (default: :meth:`CommOptions.from_env`); keyword ``overrides``
-        (``strategy``, ``segment_bytes``, ``timeout``) replace single fields."""
+        (``strategy``, ``segment_bytes``, ``timeout``, ``order``, ...) replace single fields.
+        ``open=False`` defers the agreement check and the stream to :meth:`open` (a buffer
+        adds its own description to the check)."""
         if not isinstance(comm, MPI.Comm):
             raise OptionError(f"comm_group: expected an mpi4py communicator, "
                               f"got {type(comm).__name__}")
@@ -82,18 +97,110 @@ class Communicator:
                               f"before importing MPI, or use strategy='nonblocking')")
         self.options = options
         self.strategy = options.strategy
+        self.order = options.order
+        self.verify = options.verify_order
         self.segment_bytes = options.segment
         self.timeout = options.timeout
         self.user_comm = comm
-        self.comm = private_comm(comm, self.strategy, self.timeout)
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        key = self.comm.py2f()
-        engine = _ENGINES.get(key)
-        if engine is None:
-            engine = (_ThreadEngine if self.strategy == "thread" else _NonBlockingEngine)(self.comm)
-            _ENGINES[key] = engine
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.control = private_comm(comm, "control", self.timeout)
+        self.tracker = health.tracker_for(self.control)
+        self.key = -1           # this communicator's index among those built on comm
+        self.slot: Optional[int] = None   # negotiated: its bits in the rounds
+        self.comm: Optional[MPI.Comm] = None
+        self._engine = None
+        self._negotiator: Optional[Negotiator] = None
+        self.closed = False
+        if open:
+            self.open()
+
+    def _agreement_entries(self) -> list:
+        """What every rank must agree on for the stream to line up (strategy, segments, ...)."""
+        explicit = self.options.segment_bytes
+        return [("strategy", self.strategy),
+                ("segment_bytes", "machine default (smallest over ranks)" if explicit is None
+                 else str(explicit)),
+                ("timeout set", str(self.timeout is not None)),
+                ("order", self.order), ("verify_order", str(self.verify)),
+                ("check_agreement", str(self.options.check_agreement)),
+                ("negotiation slot", str(self.slot))]
+
+    def open(self, entries: Sequence[Any] = (), where: Optional[str] = None) -> None:
+        """Check that every rank builds the same thing (``entries``, plus this communicator's
+        options), then open the stream. Collective over ``comm``, in construction order."""
+        if self.comm is not None:
+            return
+        where = where or f"rank {self.rank}: communicator"
+        self.key = self.tracker.register()
+        if self.order == "negotiated":
+            self.slot = self.tracker.claim_slot(Negotiator.SLOTS)
+            if self.slot is None:
+                raise OptionError(f"{where}: order='negotiated': more than "
+                                  f"{Negotiator.SLOTS} buffers alive on one communicator; "
+                                  f"close() the ones no longer used")
+        try:
+            if self.size > 1:
+                mine = list(entries) if self.options.check_agreement else []
+                low = health.check_agreement(
+                    self.control, self._agreement_entries() + mine, where, self.timeout,
+                    self.tracker, self.key,
+                    minimum=self.segment_bytes if self.options.segment_bytes is None else None)
+                if low is not None:
+                    self.segment_bytes = low
+            tag = self.strategy + ("" if self.order == "strict" else "/negotiated")
+            self.comm = private_comm(self.user_comm, tag, self.timeout)
+        except BaseException:
+            if self.slot is not None:
+                self.tracker.free_slot(self.slot)
+            raise
+        engine = engine_for(self.comm, self.strategy, tag)
+        if self.order == "negotiated" and engine.negotiator is None:
+            engine.negotiator = Negotiator(engine)
         self._engine = engine
+        self._negotiator = engine.negotiator
+
+    def close(self) -> None:
+        """This communicator's buffer is done: its slot is freed and it starts nothing more.
+        The stream (duplicate, engine) stays for other buffers: see ``comm.release``."""
+        if not self.closed:
+            self.closed = True
+            if self.slot is not None:
+                self.tracker.free_slot(self.slot)
+
+    def abandon(self, task: CommTask, key: int, seq: int, where: str) -> None:
+        """Give ``task`` up: every stream of comm_group refuses later collectives on this
+        rank, and the peers are told so that theirs refuse too."""
+        task.abandoned = True
+        reason = (f"{where}: refused: a collective of this communicator ({task.name or 'task'}) "
+                  f"was abandoned after a timeout (reset(abandon=True)); MPI cannot cancel it, "
+                  f"so any later collective would pair with the stale one. Save what you need "
+                  f"and abort, or build new buffers on a fresh communicator (comm.Split/Dup)")
+        for engine in engines_of(self.user_comm):
+            engine.abandon(reason)
+        self.tracker.announce_abandoned(key, seq)
+
+    def _check_usable(self, name: str) -> None:
+        """Refuse before anything changes: closed buffer, or an abandoned collective here or
+        on a peer (announced on the control communicator)."""
+        if self.closed or self.comm is None:
+            raise StateError(f"rank {self.rank}: {name}: the buffer was closed (or its "
+                             f"communicator never opened); expected an open buffer")
+        engine = self._engine
+        if engine.abandoned is None and self.size > 1:
+            self.tracker.drain()
+            if self.tracker.abandoned:
+                ranks = sorted(self.tracker.abandoned)
+                for e in engines_of(self.user_comm):
+                    e.abandon(f"rank {self.rank}: {name}: refused: rank(s) "
+                              f"{', '.join(map(str, ranks))} abandoned a collective of this "
+                              f"communicator after a timeout (reset(abandon=True)); a "
+                              f"collective started now would pair with the stale one. Save "
+                              f"what you need and abort, or build new buffers on a fresh "
+                              f"communicator (comm.Split/Dup)")
+        if engine.abandoned is not None:
+            raise AbandonedError(engine.abandoned)
+        engine._check_open()
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, strategy={self.strategy!r}, "
@@ -106,8 +213,20 @@ class Communicator:
             return (DEFAULT_SEGMENT_BYTES // 4) if dtype in HALF else (1 << 62)
         return max(1, self.segment_bytes // (4 if dtype in HALF else np.dtype(dtype).itemsize))
 
-    def _start(self, steps: Steps, keep: Sequence[Any], name: str) -> CommTask:
-        task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank)
+    def _start(self, steps: Steps, keep: Sequence[Any], name: str,
+               desc: Sequence[int]) -> CommTask:
+        """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
+        the order check compares (and OrderError names)."""
+        self._check_usable(name)
+        task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
+                        timeout=self.timeout)
+        if self._negotiator is not None:
+            task._event = threading.Event()
+            self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
+                                   + _ITEM_KIND.get(desc[0], 3), task)
+            return task
+        if self.verify and self.size > 1:
+            task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
         if (self.timeout is None and isinstance(self._engine, _ThreadEngine)
                 and sum(getattr(a, "nbytes", 0) for a in keep) <= INLINE_MAX_BYTES):
             self._engine.submit(task, inline=True)  # without a deadline only: it blocks
@@ -117,13 +236,14 @@ class Communicator:
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
     def allreduce(self, buf: Any, scale: Optional[float] = None,
-                  name: str = "allreduce") -> CommTask:
+                  name: str = "allreduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank)
-        return self._start(steps, (buf,), name)
+        return self._start(steps, (buf,), name,
+                           (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
-               name: str = "reduce") -> CommTask:
+               name: str = "reduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         if (isinstance(root, bool) or not isinstance(root, (int, np.integer))
                 or not 0 <= root < self.size):
             raise OptionError(f"rank {self.rank}: {name}: root expected a rank in [0, {self.size}), "
@@ -131,10 +251,12 @@ class Communicator:
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=int(root),
                                  rank=self.rank)
-        return self._start(steps, (buf,), name)
+        return self._start(steps, (buf,), name,
+                           (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
-                       name: str = "reduce_scatter") -> CommTask:
+                       name: str = "reduce_scatter",
+                       tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         """Sum ``sendbuf`` over ranks; this rank's equal share lands in ``recvbuf`` (which may
         be that share of ``sendbuf`` itself)."""
         if sendbuf.size != recvbuf.size * self.size:
@@ -146,23 +268,28 @@ class Communicator:
         cuda.synchronize(sendbuf)
         steps = reduce_scatter_steps(sendbuf, recvbuf, scale, self._segment(sendbuf.dtype),
                                       self.size, self.rank)
-        return self._start(steps, (sendbuf, recvbuf), name)
+        return self._start(steps, (sendbuf, recvbuf), name,
+                           (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
+                            -1, *tag))
 
-    def allgather_inplace(self, buf: Any, name: str = "allgather") -> CommTask:
+    def allgather_inplace(self, buf: Any, name: str = "allgather",
+                          tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         """Every rank's equal share of ``buf`` (its own shard, in place) to every rank."""
         if buf.size % self.size:
             raise OptionError(f"rank {self.rank}: {name}: expected a buffer that splits evenly "
                             f"over {self.size} ranks, got {buf.size} elements")
         cuda.synchronize(buf)
-        return self._start(allgather_steps(buf), (buf,), name)
+        return self._start(allgather_steps(buf), (buf,), name,
+                           (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 
     def poll(self) -> None:
         """Called on every add_grad: drives MPI progress (``nonblocking``) or retires tasks
         the communication thread finished (``thread``)."""
-        if self._engine.tasks:
-            self._engine.progress()
+        engine = self._engine
+        if engine is not None and engine.tasks:
+            engine.progress()
 
     def barrier(self) -> None:
         """A barrier ordered after every collective this communicator started."""
-        self._start(barrier_steps(), (), "barrier").wait()
+        self._start(barrier_steps(), (), "barrier", (BARRIER, 0, 0, -1, -1, -1)).wait()
 

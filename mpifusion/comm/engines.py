@@ -1,9 +1,17 @@
 """Engines: who issues a communicator's MPI calls, and in which order.
 
 One engine per private communicator runs the tasks started on it in start order, on every
-rank: a task issues its next call only after every earlier task issued all of its calls.
-``thread`` runs them as blocking calls on a daemon thread; ``nonblocking`` issues the
-non-blocking forms from the caller and progresses them whenever MPI is called.
+rank: a task issues its next call only after every earlier task issued all of its calls, and
+no two threads ever call MPI on the communicator at once (``thread``: only its daemon thread,
+or the caller while the thread is idle and the engine's lock is held; ``nonblocking``: the
+caller holding the engine's lock). ``thread`` runs the calls blocking; ``nonblocking`` issues
+the non-blocking forms from the caller and progresses them whenever MPI is called.
+
+Lifetime: private duplicates are cached on the user's communicator (an MPI attribute), and
+:func:`release` -- or freeing the user's communicator -- stops their engines and frees them.
+After a collective was abandoned (``FusedCommBuffer.reset(abandon=True)``) an engine refuses
+every later collective with :class:`AbandonedError`: MPI cannot cancel the abandoned one, so
+anything started later would pair with it on the other ranks.
 """
 from __future__ import annotations
 
@@ -17,29 +25,61 @@ from typing import Deque, Dict, Optional
 
 from mpi4py import MPI
 
-from ..errors import CommTimeoutError
+from ..errors import AbandonedError, CommTimeoutError, StateError
 from .task import CommTask
 
 
 class _Engine:
     """Runs the tasks of one private communicator, in the order they were started."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, label: str = "") -> None:
         self.comm = comm
+        self.label = label
+        self.rank = comm.Get_rank()
         self.tasks: Deque[CommTask] = collections.deque()
-        self.timed_out = False  # a wait missed its deadline: exit does not wait for us
+        self.lock = threading.Lock()    # start order; the caller's MPI calls
+        self.seq = 0                    # tasks started: the next one's place in the stream
+        self.abandoned: Optional[str] = None  # why later collectives are refused
+        self.stuck = False              # a wait missed its deadline: exit does not wait
+        self.closed = False
+        self.negotiator = None          # order.Negotiator on a negotiated communicator
 
-    def submit(self, task: CommTask) -> None:
+    def _check_open(self) -> None:
+        if self.abandoned is not None:
+            raise AbandonedError(self.abandoned)
+        if self.closed:
+            raise StateError(f"rank {self.rank}: the communicator was released "
+                             f"(mpifusion.comm.release or comm_group.Free()); build a new "
+                             f"buffer to communicate again")
+
+    def _stamp(self, task: CommTask) -> None:
+        """Give ``task`` its place in the stream (the engine's lock is held)."""
+        self._check_open()
+        task.seq = self.seq
+        self.seq += 1
+        if task._event is None:
+            task._event = threading.Event()
+
+    def _refused(self) -> AbandonedError:
+        return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
+
+    def submit(self, task: CommTask, inline: bool = False) -> None:
+        raise NotImplementedError
+
+    def submit_from_stream(self, task: CommTask) -> None:
+        """Start ``task`` from inside a running task's steps (the negotiation's next round)."""
         raise NotImplementedError
 
     def progress(self) -> None:
         raise NotImplementedError
 
-    def finished(self, task: CommTask) -> bool:
-        raise NotImplementedError
-
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
         raise NotImplementedError
+
+    def abandon(self, reason: str) -> None:
+        """Refuse every later call (the message of the AbandonedError they raise)."""
+        if self.abandoned is None:
+            self.abandoned = reason
 
     def drain(self, timeout: float) -> None:
         """Finish every started task (at exit), giving up after ``timeout`` seconds."""
@@ -53,25 +93,37 @@ class _Engine:
             except Exception:  # at exit there is nobody left to tell
                 return
 
+    def close(self, timeout: float) -> None:
+        """Finish what was started (bounded), then refuse new tasks."""
+        if not self.closed and not self.stuck and self.abandoned is None:
+            self.drain(timeout)
+        self.closed = True
+
 
 class _NonBlockingEngine(_Engine):
     """Non-blocking calls from the caller's thread; progress whenever MPI is called.
 
     One call is in flight per communicator: a task issues its next call when its previous
     one is done, and a task starts only when every earlier task has finished, so all ranks
-    issue the same calls in the same order whatever their timing.
+    issue the same calls in the same order whatever their timing. Only the thread holding
+    the engine's lock calls MPI; others skip progress (or poll) meanwhile.
     """
 
-    def submit(self, task: CommTask) -> None:
-        task._issued_all = False
-        self.tasks.append(task)
+    def submit(self, task: CommTask, inline: bool = False) -> None:
+        with self.lock:
+            self._stamp(task)
+            self.tasks.append(task)
         self.progress()
 
-    @staticmethod
-    def _advance(task: CommTask) -> None:
+    def submit_from_stream(self, task: CommTask) -> None:
+        self._stamp(task)  # the lock is held: steps only run inside progress
+        self.tasks.append(task)
+
+    def _advance(self, task: CommTask) -> None:
         """Issue ``task``'s next call (and run the landing code before it) once the previous
         call is done; mark the task finished after its last landing."""
-        while not task._issued_all:
+        comm = self.comm
+        while True:
             if task._requests:
                 if not task._requests[0].Test():
                     return
@@ -79,42 +131,56 @@ class _NonBlockingEngine(_Engine):
             try:
                 name, args, kwargs = next(task._steps)
             except StopIteration:
-                task._issued_all = True
-                return
-            except Exception as exc:  # an MPI error or a landing error: raised by wait()
-                task._error, task._issued_all = exc, True
-                return
+                break
+            except Exception as exc:  # a landing error or an OrderError: raised by wait()
+                task._fail(exc)
+                break
+            if name == "_pause":
+                continue
+            if self.abandoned is not None:
+                task._fail(self._refused())
+                break
             try:
-                comm = task._engine.comm
                 task._requests = [getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs)]
             except Exception as exc:
-                task._error, task._issued_all = exc, True
-                return
+                task._fail(exc)
+                break
+        task._event.set()
 
-    def progress(self) -> None:
+    def _progress(self) -> None:
         tasks = self.tasks
         while tasks:
-            self._advance(tasks[0])
-            if not tasks[0]._issued_all:
+            head = tasks[0]
+            self._advance(head)
+            if not head._event.is_set():
                 return
             tasks.popleft()
 
-    def finished(self, task: CommTask) -> bool:
-        return task._issued_all
+    def progress(self) -> None:
+        if self.lock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self.lock.release()
 
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 1e-6
         while True:
-            self.progress()
-            if task._issued_all:
+            if self.lock.acquire(blocking=False):
+                try:
+                    self._progress()
+                    if task._event.is_set():
+                        return
+                    if deadline is None and self.tasks and self.tasks[0]._requests:
+                        # block on the oldest call: nothing else can move before it
+                        self.tasks[0]._requests[0].Wait()
+                        continue
+                finally:
+                    self.lock.release()
+            elif task._event.is_set():
                 return
-            if deadline is None:
-                head = self.tasks[0]
-                if head._requests:
-                    head._requests[0].Wait()  # block on the oldest call: nothing else can move
-                continue
-            if time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise task._timeout_error(timeout)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -128,112 +194,212 @@ _DONE.set()
 class _ThreadEngine(_Engine):
     """A daemon thread running each task's calls as blocking MPI calls, in FIFO order."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
-        super().__init__(comm)
+    def __init__(self, comm: MPI.Comm, label: str = "") -> None:
+        super().__init__(comm, label)
         self.queue: "queue.SimpleQueue[Optional[CommTask]]" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="mpifusion-comm", daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
+    def _execute(self, task: CommTask) -> None:
         comm = self.comm
+        try:
+            for name, args, kwargs in task._steps:
+                if name == "_pause":
+                    time.sleep(args[0])
+                    continue
+                if self.abandoned is not None:
+                    raise self._refused()
+                getattr(comm, name)(*args, **kwargs)
+        except BaseException as exc:  # reported to the caller by wait()
+            task._fail(exc)
+
+    def _run(self) -> None:
         while True:
             task = self.queue.get()
             if task is None:
                 return
-            try:
-                for name, args, kwargs in task._steps:
-                    getattr(comm, name)(*args, **kwargs)
-            except BaseException as exc:  # reported to the caller by wait()
-                task._error = exc
+            self._execute(task)
             task._event.set()
 
     def submit(self, task: CommTask, inline: bool = False) -> None:
         """Queue ``task`` for the thread; with ``inline`` (a small collective, no deadline),
         run it at once on the caller when nothing is in flight: waking the thread costs
         70-150 us, more than a 4-64 KiB collective itself, and with an idle queue the calls
-        are issued in the same order either way."""
-        if inline:
-            self.progress()
-            if not self.tasks:
-                try:
-                    for name, args, kwargs in task._steps:
-                        getattr(self.comm, name)(*args, **kwargs)
-                except Exception as exc:  # reported to the caller by wait(), as on the thread
-                    task._error = exc
-                task._event = _DONE
-                return
-        task._event = threading.Event()
-        self.tasks.append(task)
-        self.queue.put(task)
+        are issued in the same order either way (the lock keeps other callers out)."""
+        with self.lock:
+            if inline:
+                self._progress()
+                if not self.tasks:
+                    self._check_open()
+                    task.seq = self.seq
+                    self.seq += 1
+                    task._event = _DONE
+                    self._execute(task)
+                    return
+            self._stamp(task)
+            self.tasks.append(task)
+            self.queue.put(task)
 
-    def progress(self) -> None:
+    def submit_from_stream(self, task: CommTask) -> None:
+        self.submit(task)  # the comm thread never holds the lock for long
+
+    def _progress(self) -> None:
         tasks = self.tasks
         while tasks and tasks[0]._event.is_set():
             tasks.popleft()
 
-    def finished(self, task: CommTask) -> bool:
-        return task._event.is_set()
+    def progress(self) -> None:
+        if self.tasks and self.lock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self.lock.release()
 
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
         if not task._event.wait(timeout):
             raise task._timeout_error(timeout)
         self.progress()
 
-    def stop(self, timeout: float) -> None:
-        self.drain(timeout)
+    def close(self, timeout: float) -> None:
+        super().close(timeout)
         self.queue.put(None)
-        self.thread.join(timeout=1.0)
+        if not self.stuck and self.abandoned is None:
+            self.thread.join(timeout=1.0)
 
 
-#: Engines by the handle of their private communicator (never freed, so never reused).
+#: Engines by the handle of their private communicator (removed when it is freed).
 _ENGINES: Dict[int, _Engine] = {}
+#: Private duplicates alive, by handle (what :func:`live_private_comms` counts).
+_LIVE: Dict[int, MPI.Comm] = {}
 #: MPI attribute key under which a communicator caches its private duplicates ({tag: dup}).
 #: An attribute, not a dict keyed by handle: MPI reuses the handle of a freed communicator,
-#: and a new communicator must not inherit the old one's duplicate (another group).
+#: and a new communicator must not inherit the old one's duplicate (another group). Its
+#: delete callback releases them when the user frees the communicator.
 _DUPS_KEYVAL: Optional[int] = None
+_EXITING = False
+_REGISTRY_LOCK = threading.RLock()
+
+
+def _keyval() -> int:
+    global _DUPS_KEYVAL
+    if _DUPS_KEYVAL is None:
+        # not copied by comm.Dup(); deleted (-> _on_delete) by Free() or Delete_attr()
+        _DUPS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_on_delete)
+    return _DUPS_KEYVAL
+
+
+def _on_delete(comm: MPI.Comm, keyval: int, dups: dict) -> None:
+    try:
+        _release_dups(dups)
+    except Exception:  # an MPI callback must not raise
+        pass
+
+
+def _release_dups(dups: dict, timeout: float = 30.0) -> None:
+    from .health import forget
+
+    with _REGISTRY_LOCK:
+        items = list(dups.items())
+        dups.clear()
+    for _tag, dup in items:
+        handle = dup.py2f()
+        engine = _ENGINES.pop(handle, None)
+        if engine is not None:
+            engine.close(0.0 if _EXITING else timeout)
+        forget(dup)
+        _LIVE.pop(handle, None)
+        if not _EXITING and not MPI.Is_finalized():
+            try:
+                dup.Free()
+            except MPI.Exception:
+                pass
 
 
 def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None) -> MPI.Comm:
     """A duplicate of ``comm`` made once per communicator and ``tag`` (collective on first
-    use). Each strategy gets its own duplicate, so their calls can never interleave.
-    With ``timeout``, the first use is bounded too: a rank that never builds a buffer on
-    ``comm`` gives a ``CommTimeoutError`` instead of a hang."""
-    global _DUPS_KEYVAL
-    if _DUPS_KEYVAL is None:
-        _DUPS_KEYVAL = MPI.Comm.Create_keyval()  # not copied by comm.Dup(), dropped by Free()
-    dups = comm.Get_attr(_DUPS_KEYVAL)
-    if dups is None:
-        dups = {}
-        comm.Set_attr(_DUPS_KEYVAL, dups)
-    dup = dups.get(tag)
-    if dup is None:
-        if timeout is None:
-            dup = comm.Dup()
-        else:
-            dup, request = comm.Idup()
-            deadline = time.monotonic() + timeout
-            while not request.Test():
-                if time.monotonic() >= deadline:
-                    raise CommTimeoutError(
-                        f"rank {comm.Get_rank()}: duplicating comm_group for mpifusion (first "
-                        f"buffer on it) did not complete within {timeout:g} s: some rank of "
-                        f"the {comm.Get_size()} has not built a buffer on this communicator")
-                time.sleep(1e-3)
+    use). Each stream (strategy and order) gets its own duplicate, so their calls never
+    interleave. Always a polled ``Idup`` -- the same call on every rank whatever its
+    deadline -- bounded by ``timeout``: a rank that never builds a buffer on ``comm`` gives
+    a ``CommTimeoutError`` instead of a hang."""
+    with _REGISTRY_LOCK:
+        keyval = _keyval()
+        dups = comm.Get_attr(keyval)
+        if dups is None:
+            dups = {}
+            comm.Set_attr(keyval, dups)
+        dup = dups.get(tag)
+        if dup is not None:
+            return dup
+        dup, request = comm.Idup()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 1e-5
+        while not request.Test():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CommTimeoutError(
+                    f"rank {comm.Get_rank()}: duplicating comm_group for mpifusion (first "
+                    f"buffer on it) did not complete within {timeout:g} s: some rank of "
+                    f"the {comm.Get_size()} has not built a buffer on this communicator")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
         dups[tag] = dup
-    return dup
+        _LIVE[dup.py2f()] = dup
+        return dup
+
+
+def private_comms_of(comm: MPI.Comm) -> dict:
+    """``{tag: duplicate}`` made for ``comm`` so far (empty after :func:`release`)."""
+    dups = comm.Get_attr(_keyval())
+    return dict(dups) if dups else {}
+
+
+def engine_for(dup: MPI.Comm, strategy: str, label: str) -> _Engine:
+    """The one engine of a private communicator (made on first use)."""
+    with _REGISTRY_LOCK:
+        key = dup.py2f()
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = (_ThreadEngine if strategy == "thread" else _NonBlockingEngine)(dup, label)
+            _ENGINES[key] = engine
+        return engine
+
+
+def engines_of(comm: MPI.Comm) -> list:
+    """The engines of every private duplicate of ``comm``."""
+    return [e for e in (_ENGINES.get(d.py2f()) for d in private_comms_of(comm).values())
+            if e is not None]
+
+
+def release(comm: MPI.Comm, timeout: float = 30.0) -> None:
+    """Stop the engines (threads) of ``comm``'s private duplicates and free them.
+
+    Collective like ``comm.Free()``: call it on every rank of ``comm``, after the last
+    collective of its buffers (started collectives are finished first, within ``timeout``
+    seconds). Idempotent, and safe at exit; freeing ``comm`` itself does the same. Buffers
+    built on ``comm`` before cannot communicate afterwards; new ones make new duplicates.
+    """
+    if MPI.Is_finalized() or comm == MPI.COMM_NULL:
+        return
+    dups = comm.Get_attr(_keyval())
+    if dups is None:
+        return
+    _release_dups(dups, timeout)
+    comm.Delete_attr(_keyval())
+
+
+def live_private_comms() -> int:
+    """How many private duplicates mpifusion holds (for leak checks)."""
+    return len(_LIVE)
 
 
 @atexit.register
 def _stop_engines() -> None:
     """Let started collectives finish (bounded) and stop the threads before MPI finalizes."""
-    if getattr(sys, "last_value", None) is not None:
-        return  # exiting on an error: waiting only delays the abort
+    global _EXITING
+    quick = getattr(sys, "last_value", None) is not None  # exiting on an error
     for engine in list(_ENGINES.values()):
-        if engine.timed_out:
-            continue  # after a missed deadline, waiting only delays the abort
-        if isinstance(engine, _ThreadEngine):
-            engine.stop(timeout=30.0)
-        else:
-            engine.drain(timeout=30.0)
+        if quick or engine.stuck or engine.abandoned is not None:
+            engine.closed = True  # waiting only delays the abort
+            continue
+        engine.close(timeout=30.0)
+    _EXITING = True
     _ENGINES.clear()
-

@@ -1,6 +1,6 @@
 """Cross-rank health checks: turn hangs into errors that say who is at fault.
 
-Two tools, both on the buffer's private communicator:
+Two tools:
 
 * :func:`check_agreement` -- at buffer construction every rank hashes what it is about to
   build (param names, shapes, dtypes and order; act, acc_steps, dst, alignment and the other
@@ -17,10 +17,16 @@ Two tools, both on the buffer's private communicator:
   sent when the buffer has a deadline, so runs without a timeout pay nothing. Each rank
   tells every other rank up to :data:`ANNOUNCE_ALL_MAX` ranks; above that only rank 0 is
   told (O(1) messages per rank), and rank 0's error names the late ranks.
+
+Both run on a *control* communicator: a private duplicate of comm_group that carries nothing
+else (a lock serialises its calls), so they never meet a buffer's collectives, which run on
+their stream's own duplicate through its engine.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -73,41 +79,75 @@ def first_difference(all_entries: Sequence[list]) -> str:
 
 
 def check_agreement(comm: MPI.Comm, entries: list, where: str, timeout: Optional[float] = None,
-                    tracker: Optional["StartTracker"] = None, key: int = -1) -> None:
+                    tracker: Optional["StartTracker"] = None, key: int = -1,
+                    minimum: Optional[int] = None) -> Optional[int]:
     """Raise :class:`AgreementError` on every rank unless all ranks described the same buffer.
 
-    One all-reduce of two uint64 in the common case; a gather of the descriptions only when
-    they differ. Within ``timeout`` seconds, or :class:`CommTimeoutError` naming late ranks.
+    One all-reduce of three uint64 in the common case (and the minimum over ranks of
+    ``minimum``, e.g. each machine's default segment size, which is returned); a gather of
+    the descriptions only when they differ. Always the non-blocking form, polled, so ranks
+    whose options differ (strategy, deadline) still make the same calls. Within ``timeout``
+    seconds, or :class:`CommTimeoutError` naming late ranks. ``comm`` is a control
+    communicator: its calls are serialised by the tracker's lock.
     """
     if comm.Get_size() == 1:
-        return
+        return minimum
+    lock = tracker.lock if tracker is not None else threading.Lock()
     h = np.uint64(fingerprint(entries))
-    send = np.array([h, ~h], dtype=np.uint64)
-    recv = np.empty(2, dtype=np.uint64)
-    if tracker is not None:
+    low = np.uint64(minimum if minimum is not None else 0)
+    send = np.array([h, ~h, ~low], dtype=np.uint64)
+    recv = np.empty(3, dtype=np.uint64)
+    if tracker is not None and timeout is not None:
         tracker.announce(key, 0)
-    req = comm.Iallreduce(send, recv, op=MPI.MAX)
-    wait_request(req, timeout, lambda: (f"{where}: the agreement check at construction did not "
-                                        f"complete within {timeout:g} s"
-                                        + (tracker.late_ranks_text(key, 0) if tracker else "")))
+
+    def late() -> str:
+        return (f"{where}: the agreement check at construction did not complete within "
+                f"{timeout:g} s" + (tracker.late_ranks_text(key, 0) if tracker else ""))
+
+    with lock:
+        req = comm.Iallreduce([send, MPI.UINT64_T], [recv, MPI.UINT64_T], op=MPI.MAX)
+    wait_request(req, timeout, late, lock)
     if recv[0] == ~recv[1]:
-        return
-    everyone = comm.allgather(entries)
+        return None if minimum is None else int(~recv[2])
+    everyone = _allgather_entries(comm, entries, timeout, late, lock)
     raise AgreementError(f"{where}: ranks disagree on the buffer they build (collectives would "
                          f"hang or mix unrelated grads): {first_difference(everyone)}. "
                          f"Build the same params, in the same order, with the same options "
                          f"on every rank of comm_group")
 
 
-def wait_request(req: MPI.Request, timeout: Optional[float], message) -> None:
-    """``req.Wait()`` bounded by ``timeout``; ``message()`` builds the CommTimeoutError text."""
-    if timeout is None:
-        req.Wait()
-        return
-    deadline = time.monotonic() + timeout
+def _allgather_entries(comm: MPI.Comm, entries: list, timeout: Optional[float], late,
+                       lock) -> list:
+    """Every rank's description (JSON), with polled non-blocking calls."""
+    data = np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    with lock:
+        req = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T],
+                              [sizes, MPI.INT64_T])
+    wait_request(req, timeout, late, lock)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    with lock:
+        req = comm.Iallgatherv([data, MPI.BYTE], [out, (sizes, offsets), MPI.BYTE])
+    wait_request(req, timeout, late, lock)
+    return [[tuple(e) for e in json.loads(out[o:o + n].tobytes().decode())]
+            for o, n in zip(offsets.tolist(), sizes.tolist())]
+
+
+def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None) -> None:
+    """Poll ``req`` until done (each test under ``lock``), bounded by ``timeout``;
+    ``message()`` builds the CommTimeoutError text."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     pause = 1e-5
-    while not req.Test():
-        if time.monotonic() >= deadline:
+    while True:
+        if lock is None:
+            done = req.Test()
+        else:
+            with lock:
+                done = req.Test()
+        if done:
+            return
+        if deadline is not None and time.monotonic() >= deadline:
             raise CommTimeoutError(message())
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
@@ -116,25 +156,47 @@ def wait_request(req: MPI.Request, timeout: Optional[float], message) -> None:
 class StartTracker:
     """Who started which collective, learned from small non-blocking announcements.
 
-    One per private communicator. Buffers register in construction order (the same on every
-    rank, which the agreement check enforces) and get a key; ``seq`` counts the buffer's
-    collectives (0 = the construction check). Messages are ``int64[key, seq]``.
+    One per control communicator (a private duplicate that carries only the construction
+    checks and these messages; its calls are serialised by ``lock``). Buffers register in
+    construction order (the same on every rank, which the agreement check enforces) and get
+    a key; ``seq`` counts the buffer's collectives (0 = the construction check). Messages are
+    ``int64[key, seq, kind]``: kind 0 "started", kind 1 "gave it up" (``reset(abandon=True)``,
+    sent to every peer whatever the deadline, so their later collectives refuse to pair with
+    the stale one). It also hands out the negotiation slots of the communicator's buffers.
     """
+
+    STARTED, ABANDONED = 0, 1
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.lock = threading.Lock()
         self._next_key = 0
         self._started: dict = {}   # key -> int64[size]: highest seq each rank announced
         self._sends: list = []     # (request, message) until the send completes
         self._probe = MPI.Status()
         self.broken = False        # a send or receive failed (a peer died): stop talking
+        self.abandoned: dict = {}  # rank -> (key, seq) of a collective it gave up
+        self._next_slot = 0
+        self._slots: set = set()   # negotiation slots in use on this rank
 
     def register(self) -> int:
         key = self._next_key
         self._next_key += 1
         return key
+
+    def claim_slot(self, nslots: int) -> Optional[int]:
+        """The next negotiation slot (construction order), or None when it is still taken."""
+        slot = self._next_slot % nslots
+        self._next_slot += 1
+        if slot in self._slots:
+            return None
+        self._slots.add(slot)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self._slots.discard(slot)
 
     def _peers(self) -> list:
         if self.size <= ANNOUNCE_ALL_MAX:
@@ -147,34 +209,52 @@ class StartTracker:
             seen = self._started[key] = np.full(self.size, -1, dtype=np.int64)
         return seen
 
+    def _send(self, peers: Sequence[int], key: int, seq: int, kind: int) -> None:
+        msg = np.array([key, seq, kind], dtype=np.int64)
+        with self.lock:
+            try:
+                for peer in peers:
+                    self._sends.append((self.comm.Isend([msg, MPI.INT64_T], peer, ANNOUNCE_TAG),
+                                        msg))
+            except MPI.Exception:
+                self.broken = True
+        self.drain()
+
     def announce(self, key: int, seq: int) -> None:
         """Tell the peers that this rank starts collective ``seq`` of buffer ``key`` now."""
         if self.size == 1 or self.broken:
             return
         self._seen(key)[self.rank] = max(self._seen(key)[self.rank], seq)
-        msg = np.array([key, seq], dtype=np.int64)
-        try:
-            for peer in self._peers():
-                self._sends.append((self.comm.Isend([msg, MPI.INT64_T], peer, ANNOUNCE_TAG), msg))
-            self.drain()
-        except MPI.Exception:
-            self.broken = True
+        self._send(self._peers(), key, seq, self.STARTED)
+
+    def announce_abandoned(self, key: int, seq: int) -> None:
+        """Tell every peer that this rank gave up collective ``seq`` of buffer ``key``."""
+        if self.size == 1 or self.broken:
+            return
+        self._send([r for r in range(self.size) if r != self.rank], key, seq, self.ABANDONED)
 
     def drain(self) -> None:
         """Receive the announcements that arrived; forget sends that completed."""
         if self.broken:
             return
-        try:
-            buf = np.empty(2, dtype=np.int64)
-            while self.comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG, self._probe):
-                src = self._probe.Get_source()
-                self.comm.Recv([buf, MPI.INT64_T], src, ANNOUNCE_TAG)
-                seen = self._seen(int(buf[0]))
-                seen[src] = max(seen[src], int(buf[1]))
-            if self._sends:
-                self._sends = [(r, m) for r, m in self._sends if not r.Test()]
-        except MPI.Exception:
-            self.broken = True
+        with self.lock:
+            try:
+                buf = np.empty(3, dtype=np.int64)
+                # two passes: one probe may only progress a message that arrived meanwhile
+                for _ in range(2):
+                    while self.comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG, self._probe):
+                        src = self._probe.Get_source()
+                        self.comm.Recv([buf, MPI.INT64_T], src, ANNOUNCE_TAG)
+                        key, seq, kind = (int(v) for v in buf)
+                        if kind == self.ABANDONED:
+                            self.abandoned.setdefault(src, (key, seq))
+                        else:
+                            seen = self._seen(key)
+                            seen[src] = max(seen[src], seq)
+                if self._sends:
+                    self._sends = [(r, m) for r, m in self._sends if not r.Test()]
+            except MPI.Exception:
+                self.broken = True
 
     def not_started(self, key: int, seq: int) -> Optional[list]:
         """Ranks not known to have started collective ``seq`` of ``key``; None if unknowable."""
@@ -186,28 +266,43 @@ class StartTracker:
         seen = self._seen(key)
         return [r for r in range(self.size) if seen[r] < seq]
 
+    def abandoned_text(self) -> str:
+        """``'; rank 1 gave up ...'`` when peers abandoned a collective, for error messages."""
+        self.drain()
+        if not self.abandoned:
+            return ""
+        ranks = sorted(self.abandoned)
+        return (f"; {_rank_list(ranks)} gave up a collective of this communicator "
+                f"(reset(abandon=True) after a timeout), so it can no longer pair collectives")
+
     def late_ranks_text(self, key: int, seq: int) -> str:
         """``'; ranks 1, 3 have not started it'`` (or why that is unknown), for error messages."""
         late = self.not_started(key, seq)
+        gave_up = self.abandoned_text()
         if late is None:
             return ("; which ranks have not started it is unknown here"
                     + (f" (at more than {ANNOUNCE_ALL_MAX} ranks only rank 0 tracks that)"
-                       if self.size > ANNOUNCE_ALL_MAX else ""))
+                       if self.size > ANNOUNCE_ALL_MAX else "") + gave_up)
         if not late:
             return ("; every rank has started it (a rank may have died or stalled inside "
-                    "the collective)")
+                    "the collective)" + gave_up)
         verb = "have" if len(late) > 1 else "has"
         return (f"; {_rank_list(late)} of the buffer's communicator {verb} not started it "
-                f"(withheld a param, stopped early, or died)")
+                f"(withheld a param, stopped early, or died)" + gave_up)
 
 
 _TRACKERS: dict = {}
 
 
 def tracker_for(comm: MPI.Comm) -> StartTracker:
-    """The one tracker of a (private) communicator."""
+    """The one tracker of a (control) communicator."""
     key = comm.py2f()
     tracker = _TRACKERS.get(key)
     if tracker is None:
         tracker = _TRACKERS[key] = StartTracker(comm)
     return tracker
+
+
+def forget(comm: MPI.Comm) -> None:
+    """Drop the tracker of a communicator about to be freed (MPI reuses its handle)."""
+    _TRACKERS.pop(comm.py2f(), None)

@@ -1,63 +1,105 @@
 """``CommTask``: the one handle for in-flight collectives (Paddle's ``task``).
 
 It owns every array MPI touches until the collective is done, because mpi4py does not keep
-non-blocking buffers alive, and it carries its own deadline state.
+non-blocking buffers alive, and it carries its own deadline: ``wait()`` without an argument
+waits at most the communicator's ``timeout`` (so a task handed out by ``sync_params(sync=False)``
+is bounded like every other wait).
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence, Tuple, TYPE_CHECKING
 
-from ..errors import CommError, CommTimeoutError
+from ..config import MAX_TIMEOUT
+from ..errors import CommError, CommTimeoutError, FusionError, OptionError
 
 if TYPE_CHECKING:
     from .engines import _Engine
 
 #: One MPI call of a collective: (name of the blocking mpi4py method, args, kwargs). The
 #: non-blocking form is the same name with an ``I`` in front (Allreduce -> Iallreduce).
+#: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips it.
 Call = Tuple[str, tuple, dict]
 Steps = Generator[Call, None, None]
+
+
+def _deadline_seconds(timeout: Any) -> Optional[float]:
+    """A wait's timeout: None/inf/huge = forever, 0 = poll once; NaN/negative refused."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise OptionError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
+    try:
+        seconds = float(timeout)
+    except OverflowError:
+        return None
+    if math.isnan(seconds) or seconds < 0:
+        raise OptionError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
+    return None if seconds > MAX_TIMEOUT else seconds
 
 
 class CommTask:
     """An in-flight collective: ``wait()`` finishes it, ``is_completed()`` polls it.
 
     ``steps`` is the collective's generator of MPI calls, run by ``engine`` in start order;
-    ``keep`` holds the arrays MPI reads or writes until the task is done; ``timed_out`` is set
-    when a wait on this task missed its deadline.
+    ``keep`` holds the arrays MPI reads or writes until the task is done; ``timeout`` is the
+    default deadline of ``wait()``; ``timed_out`` is set when a wait missed its deadline and
+    ``abandoned`` when the owner gave the task up (``FusedCommBuffer.reset(abandon=True)``).
     """
 
     __slots__ = ("name", "_requests", "_keep", "_finish", "_done", "_steps", "_engine",
-                 "_issued_all", "_event", "_error", "_rank", "timed_out")
+                 "_event", "_error", "_rank", "timed_out", "abandoned", "timeout", "seq",
+                 "on_fail", "__weakref__")
 
-    def __init__(self, steps: Iterator[Call], engine: "_Engine", keep: Sequence[Any] = (),
-                 name: str = "", rank: int = -1) -> None:
+    def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
+                 keep: Sequence[Any] = (), name: str = "", rank: int = -1,
+                 timeout: Optional[float] = None) -> None:
         self.name = name
         self._requests: list = []   # the nonblocking engine's call in flight
         self._keep = list(keep)
         self._finish: Optional[Callable[[], None]] = None
-        self._done = False
+        self._done = False          # completed and cleaned up (callbacks ran)
         self._steps: Optional[Iterator[Call]] = steps
         self._engine = engine
-        self._issued_all = True
-        self._event: Optional[threading.Event] = None
+        self._event: Optional[threading.Event] = None  # set by the engine when finished
         self._error: Optional[BaseException] = None
         self._rank = rank
         self.timed_out = False
+        self.abandoned = False
+        self.timeout = timeout
+        self.seq = -1               # position in the engine's stream (set on submit)
+        self.on_fail: Optional[Callable[[BaseException], None]] = None
 
+    # -- engine side
+    def _fail(self, exc: BaseException) -> None:
+        """Record why the task failed (the engine sets the event afterwards)."""
+        if self._error is None:
+            self._error = exc
+        hook, self.on_fail = self.on_fail, None
+        if hook is not None:
+            hook(exc)
+
+    def _finished(self) -> bool:
+        event = self._event
+        return event is not None and event.is_set()
+
+    # -- caller side
     def is_completed(self) -> bool:
-        """Poll once; this also drives MPI's progress engine."""
+        """Poll once (this also drives MPI's progress); True once finished, with or without
+        an error (``wait()`` raises it)."""
         if self._done:
             return True
         self._engine.progress()
-        if self._engine.finished(self):
+        if self._finished():
             self._complete()
         return self._done
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the task completes (at once if it already has)."""
+        """Run ``fn`` once the task completes successfully (at once if it already has)."""
         if self._done:
-            fn()
+            if self._error is None:
+                fn()
             return
         first = self._finish
 
@@ -69,30 +111,37 @@ class CommTask:
         self._finish = chained
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until done, or raise ``CommTimeoutError`` after ``timeout`` seconds."""
-        if self._done:
-            return
-        self._engine.wait_for(self, timeout)
-        self._complete()
+        """Block until done, or raise ``CommTimeoutError`` after ``timeout`` seconds (default:
+        the communicator's deadline, ``None`` there meaning forever). Raises the task's error
+        (``OrderError``, ``AbandonedError``, ``CommError``) every time it is called."""
+        if not self._done:
+            seconds = self.timeout if timeout is None else _deadline_seconds(timeout)
+            if not self._finished():
+                self._engine.wait_for(self, seconds)
+            self._complete()
+        if self._error is not None:
+            error = self._error
+            if isinstance(error, FusionError):
+                raise error
+            raise CommError(f"rank {self._rank}: {self.name or 'collective'} failed: "
+                            f"{error}") from error
 
     def _timeout_error(self, timeout: float) -> CommTimeoutError:
         self.timed_out = True
-        self._engine.timed_out = True  # at exit, do not wait for this communicator
+        self._engine.stuck = True  # at exit, do not wait for this communicator
         return CommTimeoutError(f"rank {self._rank}: {self.name or 'collective'} did not "
                                 f"complete within {timeout:g} s (another rank may not have "
                                 f"started it, or started collectives in a different order)")
 
     def _complete(self) -> None:
-        error, self._error = self._error, None
+        if self._done:
+            return
         self._done = True
         finish, self._finish = self._finish, None
         self._requests = []
         self._steps = None
         self._keep = []
-        if error is not None:
-            raise CommError(f"rank {self._rank}: {self.name or 'collective'} failed: "
-                            f"{error}") from error
-        if finish is not None:
+        if self._error is None and finish is not None:
             finish()
 
     def __repr__(self) -> str:

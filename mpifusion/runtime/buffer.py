@@ -22,10 +22,12 @@ check in one tiny collective that they build the same buffer (``health.check_agr
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import weakref
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from mpi4py import MPI
 
@@ -47,6 +49,16 @@ from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dens
                       plan_or_raise, set_grad, slot_view, world_rank)
 
 logger = logging.getLogger("mpifusion")
+
+
+def _locked(method: Callable) -> Callable:
+    """One thread at a time in the buffer's state machine (autograd may run hooks on several
+    threads): the check-in counters and the accumulation into a grad view are shared."""
+    @functools.wraps(method)
+    def run(self: "FusedCommBuffer", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class FusedCommBuffer(ShardedParams):
@@ -75,6 +87,7 @@ class FusedCommBuffer(ShardedParams):
         timeout: Optional[float] = None,
         comm_options: Optional[CommOptions] = None,
         check_naninf: Optional[bool] = None,
+        order: Optional[str] = None,
     ) -> None:
         self._id = id
         self._params = list(params)
@@ -82,10 +95,13 @@ class FusedCommBuffer(ShardedParams):
             comm_options = CommOptions.from_env()
         if timeout is not None:
             comm_options = replace(comm_options, timeout=timeout)  # parsed again: inf -> None
+        if order is not None:
+            comm_options = replace(comm_options, order=order)  # parsed again
         deadline = comm_options.timeout
         self._naninf_check = (naninf_check_from_env() if check_naninf is None
                               else parse_bool(check_naninf, "check_naninf"))
-        comm = None if comm_group is None else Communicator(comm_group, comm_options)
+        # opened below, after the agreement check that also compares this buffer
+        comm = None if comm_group is None else Communicator(comm_group, comm_options, open=False)
         rank = comm.rank if comm is not None else world_rank()
         self._rank = rank
         where = f"rank {rank}: buffer {id}"
@@ -131,12 +147,15 @@ class FusedCommBuffer(ShardedParams):
         self._abandoned: list = []      # timed-out tasks given up by reset(abandon=True)
         self._pre_comm_grads = None     # free_grads_in_comm: the full grads while in flight
         self._grads_are_shard = False   # grad_storage is a reduce-scattered shard
-        if comm is not None and comm.size > 1:
-            self._tracker = health.tracker_for(comm.comm)
-            self._key = self._tracker.register()
-            if comm.options.check_agreement:
-                health.check_agreement(comm.comm, self._agreement_entries(), self._where(),
-                                       self.timeout, self._announcer(), self._key)
+        self._lock = threading.RLock()  # add_grad & co. from several threads: one at a time
+        self._closed = False
+        if comm is not None:
+            # the agreement check (one tiny collective on the control communicator, with the
+            # communicator's own options), then the stream this buffer's collectives run on
+            comm.open(self._agreement_entries(), self._where())
+            if comm.size > 1:
+                self._tracker = comm.tracker
+                self._key = comm.key
 
         self.param_storage = None
         self.grad_storage = None
@@ -192,6 +211,12 @@ class FusedCommBuffer(ShardedParams):
 
     @property
     def dst(self) -> int:
+        """REDUCE's root as given: a global rank (of COMM_WORLD), as in Paddle."""
+        return self._dst_global
+
+    @property
+    def dst_rank(self) -> int:
+        """REDUCE's root as a rank of comm_group (where the reduced grads land)."""
         return self._dst
 
     @property
@@ -200,12 +225,6 @@ class FusedCommBuffer(ShardedParams):
 
     @property
     def nranks(self) -> int:
-        """REDUCE's root as given: a global rank (of COMM_WORLD), as in Paddle."""
-        return self._dst_global
-
-    @property
-    def dst_rank(self) -> int:
-        """REDUCE's root as a rank of comm_group (where the reduced grads land)."""
         return self._comm.size if self._comm is not None else 1
 
     @property
@@ -244,10 +263,8 @@ class FusedCommBuffer(ShardedParams):
             "release_grads": self._release_grads, "scale_after_comm": self._scale_after_comm,
             "use_reduce_avg": self._use_reduce_avg,
             "free_grads_in_comm": self._free_grads_in_comm,
-            # start announcements are only sent with a deadline, so all ranks need one or none
-            "timeout set": self.timeout is not None,
-            "strategy": self._comm.strategy if self._comm is not None else None,
-            "segment_bytes": self._comm.segment_bytes if self._comm is not None else None,
+            # strategy, segment size, deadline set, order and verification: the communicator
+            # adds them (Communicator._agreement_entries)
             "check_naninf": self._naninf_check,
         }
         return health.describe(self._params, options)
@@ -293,7 +310,42 @@ class FusedCommBuffer(ShardedParams):
                 f"dtype={self.layout.dtype}, grad_dtype={self._grad_dtype.name}, "
                 f"numel={self.buffer_size}, nranks={self.nranks})")
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Finish and detach: waits for grad communication and ``sync_params`` still in
+        flight (within the deadline; on an error the buffer stays open), then the buffer
+        starts nothing more (its negotiation slot is freed). Idempotent; grads and params stay
+        readable. The private duplicates and thread of comm_group are shared by its buffers:
+        ``mpifusion.comm.release(comm_group)`` (or ``comm_group.Free()``) releases them."""
+        with self._lock:
+            if self._closed:
+                return
+            for task in (self._task, self.sync_param_task):
+                if task is not None and not task.abandoned and not task.is_completed():
+                    self._wait_task(task, "close", self._seq)
+            self._closed = True
+            if self._comm is not None:
+                self._comm.close()
+
+    def __enter__(self) -> "FusedCommBuffer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # leaving on an error: do not wait; a collective still in flight is abandoned
+        with self._lock:
+            for task in (self._task, self.sync_param_task):
+                if (task is not None and not task.abandoned and self._comm is not None
+                        and not task.is_completed()):
+                    self._comm.abandon(task, self._key, self._seq, self._where())
+            self._closed = True
+            if self._comm is not None:
+                self._comm.close()
+
     # ------------------------------------------------------------------ backward
+    @_locked
     def add_grad(self, param: Param, use_comm: bool = True, grad: Any = None) -> None:
         """Check ``param`` in for one micro-step; at the last one of the last param, start comm.
 
@@ -307,7 +359,7 @@ class FusedCommBuffer(ShardedParams):
                             f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
                             f"scale_grads() before its next add_grad")
         if grad is not None:
-            grad = self._check_grad(param, grad)
+            grad = self._unalias(param, self._check_grad(param, grad))
         if steps or not self._release_grads:
             view = param.main_grad if self.use_main_grad else param.grad
             if view is not self._grad_view[name]:
@@ -327,6 +379,7 @@ class FusedCommBuffer(ShardedParams):
         if done and use_comm and self._checkin.all_in:
             self.comm_grads()
 
+    @_locked
     def mark_unused(self, *params: Param, use_comm: bool = True) -> None:
         """Check in params that get no gradient this step (Paddle PR 72688's unused params).
 
@@ -361,6 +414,7 @@ class FusedCommBuffer(ShardedParams):
         if use_comm and names and self._checkin.all_in:
             self.comm_grads()
 
+    @_locked
     def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
         """Start the step afresh after an error: counters to zero, grads kept (or zeroed).
 
@@ -384,8 +438,11 @@ class FusedCommBuffer(ShardedParams):
                             f"reset(abandon=True) to give it up")
         if pending:
             self._abandoned.append(task)
-            logger.warning("%s: abandoned a pending collective (step %d); further collectives "
-                           "on this communicator may not line up across ranks", self._where(),
+            # later collectives here (and, once told, on the peers) refuse to run: they would
+            # pair with the abandoned one
+            self._comm.abandon(task, self._key, self._task_seq, self._where())
+            logger.warning("%s: abandoned a pending collective (step %d); later collectives "
+                           "on this communicator refuse to run (AbandonedError)", self._where(),
                            self._step)
             if self._pre_comm_grads is not None:
                 self.grad_storage = self._pre_comm_grads
@@ -397,6 +454,31 @@ class FusedCommBuffer(ShardedParams):
         self._checkin.reset()
         if zero_grads and self.grad_storage is not None:
             self.grad_storage[...] = 0
+
+    def _unalias(self, param: Param, grad: Any) -> Any:
+        """A grad that *is* the param's own grad view (``add_grad(p, grad=p.grad)`` after
+        backward wrote into it) is already in place: None, so it is checked in without being
+        added again. One that overlaps the grad buffer any other way is refused."""
+        lo = backend.data_ptr(grad)
+        hi = lo + grad.nbytes
+        for own in (self._grad_view.get(param.name), grad_of(param, self.use_main_grad)):
+            if own is None:
+                continue
+            start = backend.data_ptr(own)
+            if start == lo and own.nbytes == grad.nbytes and own.strides == grad.strides:
+                return None
+            if start < hi and lo < start + own.nbytes:
+                raise GradError(f"{self._where()}: param '{param.name}': grad overlaps part of "
+                                f"its own grad view; expected the view itself (already in "
+                                f"place) or a separate array")
+        storage = self.grad_storage
+        if storage is not None and grad.nbytes:
+            start = backend.data_ptr(storage)
+            if start < hi and lo < start + storage.nbytes:
+                raise GradError(f"{self._where()}: param '{param.name}': grad lies in this "
+                                f"buffer's grad storage outside the param's own slot (another "
+                                f"param's grad?); expected a separate array")
+        return grad
 
     def _check_grad(self, param: Param, grad: Any) -> Any:
         try:
@@ -463,6 +545,7 @@ class FusedCommBuffer(ShardedParams):
             self._logged_stop_gradient = True
         return True
 
+    @_locked
     def comm_grads(self) -> None:
         """Start reducing the grad buffer; every param must have checked in."""
         if not self._checkin.all_in:
@@ -481,6 +564,7 @@ class FusedCommBuffer(ShardedParams):
         if self._comm is None:
             raise StateError(f"{self._where()}: comm_grads: the buffer was built without a "
                             f"comm_group, so it cannot communicate")
+        self._comm._check_usable(f"buffer {self._id} comm_grads")  # closed or abandoned
         if self._naninf_check:
             self._check_naninf()
         n = self._comm.size
@@ -493,16 +577,19 @@ class FusedCommBuffer(ShardedParams):
         name = f"buffer {self._id} {self._act.name.lower()}"
         self._task_seq = self._start_collective()
         if self._act == HookAction.ALL_REDUCE:
-            self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name)
+            self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name,
+                                              tag=(self._id, self._step))
         elif self._act == HookAction.REDUCE:
-            self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name)
+            self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name,
+                                           tag=(self._id, self._step))
         else:
             begin, end = self.layout.shard_range(self._comm.rank)
             if self._free_grads_in_comm:
                 shard = backend.empty(end - begin, self.grad_storage.dtype, self.grad_storage)
             else:
                 shard = self.grad_storage[begin:end]
-            self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name)
+            self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name,
+                                                   tag=(self._id, self._step))
             if self._free_grads_in_comm:
                 self._pre_comm_grads = self.grad_storage  # until the shard holds the result
                 self.reset_grad_storage(shard)
@@ -521,6 +608,7 @@ class FusedCommBuffer(ShardedParams):
         raise NanInfError(f"{self._where()}: step {self._step}: grad buffer holds {bad} NaN/Inf "
                           f"value(s) before communication: {', '.join(counts) or 'in padding'}")
 
+    @_locked
     def scale_grads(self) -> None:
         """Finish this step's communication, scale by 1/nranks if asked, reset the counters."""
         if self.need_reduce_scale_sync():

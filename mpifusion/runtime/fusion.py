@@ -154,8 +154,12 @@ def fused_parameters(
     use_reduce_avg: bool = False,
     group_size: int = FUSED_GROUP_SIZE,
     comm_options: Optional[CommOptions] = None,
+    order: Optional[str] = None,
 ):
     """Fuse a model's params (and grads) into buffers, split as Paddle splits them.
+
+    ``order`` (``"strict"``/``"negotiated"``, default ``$MPIFUSION_ORDER`` or strict) is the
+    buffers' collective order (README, "When things go wrong").
 
     Returns ``(decay_fused, all_fused, all_buffers)``; with ``group_params`` the input is a
     list of ``{"params": [...], ...}`` groups and ``(updated_groups, buffers)`` is returned.
@@ -170,6 +174,8 @@ def fused_parameters(
         raise LayoutError(f"rank {world_rank()}: dst: REDUCE expected the root's rank, got -1")
     if act == HookAction.ALL_REDUCE:
         dst = -1
+    if order is not None:
+        comm_options = (comm_options or CommOptions.from_env()).with_(order=order)
     options = dict(use_main_grad=use_main_grad, fuse_param=fuse_param,
                    comm_overlap=comm_overlap, comm_group=comm_group, act=act, dst=dst,
                    acc_step=acc_step, scale_after_comm=scale_after_comm,

@@ -59,7 +59,8 @@ class ShardedParams:
             return None
         seq = self._start_collective()
         task = self._comm.allgather_inplace(self.param_storage,
-                                            name=f"buffer {self._id} sync_params")
+                                            name=f"buffer {self._id} sync_params",
+                                            tag=(self._id, self._step))
         self.status = self.Status.SYNCING
         task.add_done_callback(self._mark_ready)
         if sync:

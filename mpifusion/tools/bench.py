@@ -122,7 +122,7 @@ def build_buffers(params: Sequence[Param], act: HookAction, group_bytes: int, co
                   strategy: str, **kwargs: Any) -> List[FusedCommBuffer]:
     groups = assign_group_by_size(list(params), group_size=group_bytes)
     dst = 0 if act == HookAction.REDUCE else -1
-    options = CommOptions(strategy=strategy)
+    options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True))
     buffers = [FusedCommBuffer(i, plist, comm, act=act, dst=dst, comm_options=options, **kwargs)
                for i, plist in groups.items()]
     for b in buffers:  # real pages with real values, as after a backward pass
@@ -734,11 +734,48 @@ def measure_memory(b: Bench) -> None:
     b.res["memory"]["ru_maxrss_kB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def measure_order(b: Bench) -> None:
+    """What order safety costs (default strategy, ALL_REDUCE): the strict order's check
+    before each collective against no check, on the full step and per small collective, and
+    the negotiated order's rounds against the verified strict order."""
+    b.say("# cost of the order check and of the negotiated order ...")
+    verified = b.buffers(HookAction.ALL_REDUCE, _DEFAULT)
+    plain = b.buffers(HookAction.ALL_REDUCE, _DEFAULT, verify_order=False)
+    steps = timeit_many({"verified": lambda: full_step(verified, False),
+                         "unverified": lambda: full_step(plain, False)},
+                        b.comm, b.s.iters, b.s.warmup)
+    del plain
+    negotiated = b.buffers(HookAction.ALL_REDUCE, _DEFAULT, order="negotiated")
+    steps.update({("negotiated" if k == "n" else "verified (again)"): v for k, v in timeit_many(
+        {"n": lambda: full_step(negotiated, False), "v": lambda: full_step(verified, False)},
+        b.comm, b.s.iters, b.s.warmup).items()})
+    rows = [{"what": f"ALL_REDUCE step, {len(verified)} buffers: verified / unverified",
+             "a_s": steps["verified"]["median_s"], "b_s": steps["unverified"]["median_s"],
+             "ratio": round_ratio(steps["verified"], steps["unverified"])},
+            {"what": "ALL_REDUCE step: negotiated / verified strict",
+             "a_s": steps["negotiated"]["median_s"], "b_s": steps["verified (again)"]["median_s"],
+             "ratio": round_ratio(steps["negotiated"], steps["verified (again)"])}]
+    del verified, negotiated
+    for nbytes in (4 << 10, 256 << 10):  # one small collective: the check's own latency
+        x = np.ones(nbytes // 4, np.float32)
+        comms = {v: Communicator(b.world, CommOptions(strategy=_DEFAULT, verify_order=v))
+                 for v in (True, False)}
+        reps = 20
+        r = timeit_many({v: (lambda c=c: [c.allreduce(x).wait() for _ in range(reps)])
+                         for v, c in comms.items()}, b.comm, max(b.s.iters, 10), 2)
+        rows.append({"what": f"one {nbytes >> 10} KiB allreduce: verified / unverified",
+                     "a_s": r[True]["median_s"] / reps, "b_s": r[False]["median_s"] / reps,
+                     "ratio": round_ratio(r[True], r[False])})
+        for c in comms.values():
+            c.barrier()
+    b.res["order"] = rows
+
+
 #: the measurements, in order; each fills its own keys of ``Bench.res``. A new sweep is one
 #: function here and one table in TABLES.
 MEASUREMENTS: List[Callable[[Bench], None]] = [
     measure_meta, measure_allreduce_steps, measure_other_steps, measure_size_sweep,
-    measure_group_sweep, measure_overlap_and_add_grad, measure_memory,
+    measure_group_sweep, measure_overlap_and_add_grad, measure_memory, measure_order,
 ]
 
 
@@ -779,6 +816,9 @@ def targets(res: dict) -> List[Target]:
         out.append(Target("overlap with emulated (device) compute, %", ov["overlap_pct"],
                           ">= 80", big))
     out.append(Target("add_grad per param, us", res["add_grad"]["per_param_s"] * 1e6, "<= 3"))
+    if res.get("order"):
+        out.append(Target("order check cost, % of the ALL_REDUCE step",
+                          (res["order"][0]["ratio"] - 1) * 100, "<= 2", big))
     out.append(Target("peak memory / (params + grads + padding), ALL_REDUCE",
                       res["memory"]["ALL_REDUCE"]["ratio"], "<= 1.05", big))
     return out
@@ -846,6 +886,13 @@ def table_memory(res: dict) -> tuple:
               f"{v['ratio']:.3f}"] for k, v in res["memory"].items() if isinstance(v, dict)])
 
 
+def table_order(res: dict) -> tuple:
+    return ("order safety: strict order's check (verify_order) and negotiated order",
+            ["what", "a ms", "b ms", "a / b"],
+            [[r["what"], f"{r['a_s'] * 1e3:.4g}", f"{r['b_s'] * 1e3:.4g}", f"{r['ratio']:.3f}"]
+             for r in res.get("order", [])])
+
+
 def table_targets(res: dict) -> tuple:
     shown = [t for t in res["targets"] if t["applies"]]
     return ("targets (ratios within this run: median over rounds of the per-round ratio)",
@@ -857,7 +904,7 @@ def table_targets(res: dict) -> tuple:
 #: the report's tables, in order: each takes ``res`` and gives (title, header, rows)
 TABLES: List[Callable[[dict], tuple]] = [
     table_steps, table_raw, table_size_sweep, table_group_sweep, table_overlap, table_memory,
-    table_targets,
+    table_order, table_targets,
 ]
 
 

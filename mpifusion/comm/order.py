@@ -1,0 +1,194 @@
+"""Collectives in one verified order (``order="strict"``) or in an agreed one (``"negotiated"``).
+
+``strict`` (Paddle's model): a communicator's collectives run in the order they are started,
+which must be the same on every rank. ``verified_steps`` puts one tiny all-reduce in front of
+each collective: the ranks compare a 64-bit fingerprint of (position in the stream, kind,
+element count, dtype, root, buffer id, step) as ``MAX(h)`` and ``MAX(~h)`` (equal everywhere
+iff ``max(h) == ~max(~h)``). On a mismatch -- which every rank sees in the same call -- the
+ranks all-gather their descriptions and every rank raises the same :class:`OrderError`;
+nothing was exchanged, so no grad changed and the stream stays aligned.
+
+``negotiated`` (Horovod's model): a buffer that is ready does not start its collective; it is
+marked ready, and a *round* -- one all-reduce (BAND) of ``[ready bits, ~ready bits, h, ~h]``
+-- tells every rank which buffers are ready everywhere (AND) and whether any rank has one
+that others lack (OR). The buffers ready everywhere are reduced in ascending slot order, the
+same on every rank, whatever order the hooks fired in. Rounds go on while some rank has a
+ready buffer that others lack, and stop at the same round on every rank.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Deque, Dict, List, Optional, Sequence, TYPE_CHECKING
+
+import numpy as np
+from mpi4py import MPI
+
+from ..errors import OrderError
+from .task import CommTask, Steps
+
+if TYPE_CHECKING:
+    from .engines import _Engine
+
+#: kinds of collectives, as fingerprinted (and named in OrderError)
+KINDS = {1: "ALL_REDUCE", 2: "REDUCE", 3: "REDUCE_SCATTER", 4: "ALL_GATHER (sync_params)",
+         5: "BARRIER", 6: "order negotiation round"}
+ALLREDUCE, REDUCE, REDUCE_SCATTER, ALLGATHER, BARRIER, ROUND = 1, 2, 3, 4, 5, 6
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int64", "int32")
+_MASK = (1 << 64) - 1
+
+
+def dtype_code(dtype: Any) -> int:
+    name = getattr(dtype, "name", str(dtype))
+    return _DTYPES.index(name) if name in _DTYPES else 99
+
+
+def fingerprint(values: Sequence[int]) -> int:
+    """64 bits from a tuple of ints (int hashing is not salted: equal in every process)."""
+    return hash(tuple(int(v) for v in values)) & _MASK
+
+
+def describe_call(row: Sequence[int]) -> str:
+    """One rank's description ``[seq, kind, count, dtype, root, buffer, step]`` in words."""
+    seq, kind, count, dtype, root, buf, step = (int(v) for v in row)
+    what = KINDS.get(kind, f"kind {kind}")
+    text = f"{'buffer %d ' % buf if buf >= 0 else ''}{'step %d ' % step if step >= 0 else ''}{what}"
+    if kind not in (BARRIER, ROUND):
+        text += f" of {count} {_DTYPES[dtype] if dtype < len(_DTYPES) else 'elements'}"
+    if kind == REDUCE:
+        text += f" to rank {root}"
+    return f"{text} as collective #{seq}"
+
+
+def order_message(rank: int, rows: np.ndarray, where: str) -> str:
+    groups: Dict[str, List[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(describe_call(row), []).append(r)
+    parts = "; ".join(f"{'ranks' if len(rs) > 1 else 'rank'} {', '.join(map(str, rs[:16]))}"
+                      f"{', ...' if len(rs) > 16 else ''} started {text}"
+                      for text, rs in groups.items())
+    return (f"rank {rank}: {where}: ranks started different collectives on one communicator "
+            f"({parts}). Nothing was exchanged (no grad changed); every rank raises this. "
+            f"Start collectives in the same order on every rank (e.g. the last add_grad of "
+            f"each buffer in the same order), or pass order='negotiated' (MPIFUSION_ORDER="
+            f"negotiated) to let the ranks agree on an order")
+
+
+def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
+    """``steps`` preceded by the order check (one all-reduce of two uint64)."""
+    row = np.array([task.seq, *desc], dtype=np.int64)
+    h = np.uint64(fingerprint(row.tolist()))
+    send = np.array([h, ~h], dtype=np.uint64)
+    recv = np.empty(2, dtype=np.uint64)
+    yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
+    if recv[0] != ~recv[1]:
+        rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
+        yield ("Allgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
+        raise OrderError(order_message(comm.Get_rank(), rows, task.name or "collective"))
+    yield from steps
+
+
+class Negotiator:
+    """Agreed order for one (negotiated) private communicator; see the module docstring.
+
+    Items are ``slot * KINDS_PER_SLOT + kind``: a slot per Communicator (buffer), claimed in
+    construction order (checked by the agreement check), a kind per collective type.
+    """
+
+    WORDS = 16                          # 1024 item bits per round
+    KINDS_PER_SLOT = 4
+    SLOTS = WORDS * 64 // KINDS_PER_SLOT
+    MAX_PAUSE = 1e-3                    # thread engine: back-off between empty rounds
+
+    def __init__(self, engine: "_Engine") -> None:
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.queues: Dict[int, Deque[CommTask]] = {}
+        self.active = False             # a round task is queued or running on this rank
+        self.current: Optional[CommTask] = None
+        self.rounds = 0                 # rounds run (for the benchmark)
+
+    def ready(self, item: int, task: CommTask) -> None:
+        """``task`` is ready on this rank; it runs once every rank has marked ``item`` ready."""
+        with self.lock:
+            self.queues.setdefault(item, collections.deque()).append(task)
+            start = not self.active
+            self.active = True
+        if start:
+            try:
+                self.engine.submit(self._round_task())
+            except BaseException:
+                with self.lock:
+                    self.active = False
+                    self.queues[item].remove(task)
+                raise
+
+    def _round_task(self) -> CommTask:
+        task = CommTask(None, self.engine, name="order negotiation", rank=self.engine.rank)
+        task._steps = self._rounds(task)
+        task.on_fail = self._fail_all
+        return task
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self.lock:
+            items = [t for q in self.queues.values() for t in q]
+            if self.current is not None:
+                items.append(self.current)
+            self.queues.clear()
+            self.current = None
+            self.active = False
+        for t in items:
+            t._fail(exc)
+            if t._event is not None:
+                t._event.set()
+
+    def _rounds(self, rt: CommTask) -> Steps:
+        words = self.WORDS
+        send = np.zeros(2 * words + 2, dtype=np.uint64)
+        recv = np.empty_like(send)
+        rnd, pause = 0, 0.0
+        while True:
+            send[:words] = 0
+            with self.lock:
+                ids = [i for i, q in self.queues.items() if q]
+            for i in ids:
+                send[i >> 6] |= np.uint64(1 << (i & 63))
+            send[words:2 * words] = ~send[:words]
+            h = np.uint64(fingerprint((ROUND, rt.seq, rnd)))
+            send[2 * words], send[2 * words + 1] = h, ~h
+            yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]),
+                   {"op": MPI.BAND})
+            self.rounds += 1
+            if recv[2 * words] != ~recv[2 * words + 1]:
+                raise OrderError(f"rank {self.engine.rank}: order negotiation round {rnd} of "
+                                 f"negotiation #{rt.seq}: not every rank is in the same round "
+                                 f"(a collective started outside the negotiation?)")
+            every = recv[:words].copy()
+            anywhere = ~recv[words:2 * words]
+            agreed = [w * 64 + b for w in np.flatnonzero(every).tolist()
+                      for b in range(64) if (int(every[w]) >> b) & 1]
+            for item in agreed:
+                with self.lock:
+                    task = self.queues[item].popleft()
+                    self.current = task
+                try:
+                    yield from task._steps
+                except Exception as exc:  # a landing error: the task's, not the round's
+                    task._fail(exc)
+                with self.lock:
+                    self.current = None
+                task._event.set()
+            rnd += 1
+            if not np.any(anywhere & ~every):
+                # nothing ready anywhere that was not reduced now: every rank ends here
+                with self.lock:
+                    more = any(self.queues.values())
+                    self.active = more
+                if more:  # got ready meanwhile on this rank: the next round task starts now
+                    self.engine.submit_from_stream(self._round_task())
+                return
+            if agreed:
+                pause = 0.0
+            else:
+                pause = min(max(2 * pause, 2e-5), self.MAX_PAUSE)
+                yield ("_pause", (pause,), {})
