@@ -432,21 +432,14 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
     Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank and key);
     a mismatch does not raise: see ``report.ok`` and ``report.raise_for_failure()``.
     """
-    spec = as_spec(spec)
-    nranks = spec.nranks
-    if nranks is None and not isinstance(dumps, (str, os.PathLike)):
-        try:
-            nranks = len(dumps)  # type: ignore[arg-type]
-        except TypeError:
-            nranks = None
-        if nranks:
-            import dataclasses
+    import dataclasses
 
-            spec = dataclasses.replace(spec, nranks=nranks)
-    labels, files, source = _open_dumps(dumps, nranks)
-    nranks = len(files)
+    spec = as_spec(spec)
+    labels, files, source = _open_dumps(dumps, spec.nranks)
     try:
-        return _check(spec, nranks, labels, files, source, bool(reduce_avg))
+        if spec.nranks is None:  # a list of records: one rank each
+            spec = dataclasses.replace(spec, nranks=len(files))
+        return _check(spec, len(files), labels, files, source, bool(reduce_avg))
     finally:
         for f in files:
             f.close()

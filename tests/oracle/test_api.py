@@ -410,3 +410,13 @@ def test_reduce_non_root_rule_agrees_with_mpifusion_runtime(tmp_path, nranks):
         assert not check(tmp_path / case / "spec.json", tmp_path / case, reduce_avg=True).ok
     assert check(tmp_path / "avg" / "spec.json", tmp_path / "avg", reduce_avg=True).ok
     assert check(tmp_path / "avg" / "spec.json", tmp_path / "avg").failing == ["w0", "w1", "w2"]
+
+
+def test_nranks_from_the_records_when_the_spec_has_none():
+    grads = _grads(3, 1, seed=6)
+    result = _fp32_result(grads, average=False)
+    spec = _spec(3, act="all_reduce", average=False)
+    del spec["nranks"]
+    records = ({**_inputs(g), **{f"out/{n}": result[n] for n in SHAPES}} for g in grads)
+    report = check(spec, records)  # a generator of records works too
+    assert report.ok and report.spec.nranks == 3 and "3 rank(s)" in str(report)
