@@ -324,6 +324,24 @@ def test_every_hostile_dump_is_one_line_bounded_in_memory_and_time(tmp_path):
         assert elapsed < 30, (label, elapsed)
 
 
+@pytest.mark.parametrize("numel", [2_000_000_000, 10 ** 13])
+def test_huge_header_matching_a_huge_spec_is_refused_before_allocating(tmp_path, numel):
+    """The spec agrees with the header, but the archive holds no data for it (or the machine
+    has no memory for it): refused from the header and the archive's sizes alone."""
+    forge_zip(tmp_path / "rank0.npz", [{"name": "out/w.npy", "data": npy_bytes((numel,))}])
+    tracemalloc.start()
+    try:
+        with pytest.raises(DumpError) as info:
+            with DumpFile(str(tmp_path / "rank0.npz")) as d:
+                d.read("out/w", (numel,), "float32")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    msg = str(info.value)
+    assert ("not a valid .npz member" in msg and "archive says" in msg) or "needs about" in msg
+    assert peak < 8 << 20
+
+
 def test_good_members_read_exactly(tmp_path):
     """Fortran order, big-endian and raw bfloat16 bits come back as numpy would read them."""
     import ml_dtypes
