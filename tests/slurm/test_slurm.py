@@ -168,7 +168,7 @@ def test_fail_verdict_exits_1(slurm_env, tmp_path):
     job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2",
                   MPIFUSION_ARGS="run --steps 1", MPIFUSION_TEST_FAULT="corrupt:1")
     assert (job.state, job.exit_code) == ("FAILED", 1), job
-    assert "FAIL: 11 param(s) beyond the error bound" in job.log, job
+    assert re.search(r"^FAIL: .*beyond the error bound", job.log, re.M), job
 
 
 def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
@@ -190,7 +190,7 @@ def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
     args = f"check --spec {spec} {dump}"
     job = run_job(slurm_env, tmp_path, "--ntasks-per-node=1", MPIFUSION_ARGS=args)
     assert (job.state, job.exit_code) == ("FAILED", 1), job
-    assert "FAIL: 1 param(s) beyond the bound: w" in job.log, job
+    assert re.search(r"^FAIL: 1 param.*\bw\b", job.log, re.M), job
 
 
 def test_dependency_chains(slurm_env, tmp_path):
@@ -231,9 +231,9 @@ def test_timeout_reaches_the_ranks(slurm_env, tmp_path):
                   MPIFUSION_TEST_FAULT="stall:1")
     assert job.state == "FAILED" and job.exit_code != 0, job
     assert "[fault hook] rank 1: stall at add_grad call 3" in job.log, job
-    assert "CommTimeoutError: rank 0: buffer 0: grad communication" in job.log, job
-    assert "did not complete within 4 s" in job.log, job
-    assert "rank 1 of the buffer's communicator has not started it" in job.log, job
+    # the survivor's error: the 4 s deadline from the job's environment, the late rank named
+    assert re.search(r"^\S*CommTimeoutError: rank 0: .*within 4 s.*\brank 1\b", job.log,
+                     re.M), job
     assert _seconds(job.run_time) < 60, job
 
 
