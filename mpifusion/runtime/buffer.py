@@ -345,13 +345,17 @@ class FusedCommBuffer(ShardedParams):
                 self._comm.close()
 
     # ------------------------------------------------------------------ backward
-    @_locked
     def add_grad(self, param: Param, use_comm: bool = True, grad: Any = None) -> None:
         """Check ``param`` in for one micro-step; at the last one of the last param, start comm.
 
         ``grad`` (any DLPack tensor) is accumulated into the param's grad view first, as a
         backward pass would; without it, whatever backward wrote into the view is used.
+        Safe from several threads (one at a time: the buffer's lock).
         """
+        with self._lock:  # spelled out, not @_locked: this is the hot path
+            self._add_grad(param, use_comm, grad)
+
+    def _add_grad(self, param: Param, use_comm: bool, grad: Any) -> None:
         name = param.name
         steps = self._checkin.steps_of(param)
         if steps >= self._acc_steps:
