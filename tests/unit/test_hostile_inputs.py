@@ -532,3 +532,31 @@ def test_fuzzed_headers_never_allocate_what_they_claim(tmp_path_factory, shape, 
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak < 16 << 20
+
+
+@FUZZ
+@given(data=st.lists(st.tuples(st.floats(-1e6, 1e6), st.floats(-1e6, 1e6),
+                               st.sampled_from([0.0, 1e-12, 1e-3, 1.0, 10.0])),
+                     min_size=1, max_size=40),
+       special=st.sampled_from([None, INF, -INF, NAN]))
+def test_error_stats_match_a_plain_reference(data, special):
+    """ErrorStats against the rule written out element by element in Python (finite values,
+    plus one Inf/NaN reference matched by the same output, which must not change anything)."""
+    out = np.array([d[0] for d in data])
+    ref = np.array([d[1] for d in data])
+    bound = np.array([d[2] for d in data])
+    ratios = []
+    for o, r, b in data:
+        e = abs(o - r)
+        ratios.append(e / b if b > 0 else (0.0 if e == 0 else INF))
+    if special is not None:
+        out, ref, bound = (np.append(out, special), np.append(ref, special),
+                           np.append(bound, INF))
+    s = ErrorStats("w")
+    s.update(out, ref, bound, rank=0)
+    assert s.beyond == sum(r > 1.0 for r in ratios)
+    assert s.ok == all(r <= 1.0 for r in ratios)
+    assert s.max_ratio == max(ratios)
+    assert s.max_abs == max(abs(o - r) for o, r, _ in data)
+    assert s.nonfinite == s.mismatched == s.overflow == 0
+    assert s.nonfinite_ref == (special is not None)
