@@ -190,3 +190,14 @@ def test_check_under_mpiexec_with_a_fifo_exits_2_once(tmp_path, n):
     res = mpiexec(n, "check", "--spec", spec, str(folder), timeout=120)
     line = _one_line_error(res.stderr, "check")
     assert res.returncode == 2 and "not a regular file" in line
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_run_with_a_bad_timeout_on_one_rank_only_exits_2_everywhere(n):
+    """MPMD: the last rank alone has MPIFUSION_TIMEOUT=nan; every rank exits 2, rank 0 prints
+    the last rank's error once."""
+    cli = [sys.executable, "-m", "mpifusion", "run", "--steps", "1", "--no-progress"]
+    res = run_job(n - 1, [*cli, ":", "-n", "1", "env", "MPIFUSION_TIMEOUT=nan", *cli],
+                  timeout=240)
+    line = _one_line_error(res.stderr, "run")
+    assert res.returncode == 2 and f"rank {n - 1}: MPIFUSION_TIMEOUT" in line

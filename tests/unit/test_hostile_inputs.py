@@ -560,3 +560,30 @@ def test_error_stats_match_a_plain_reference(data, special):
     assert s.max_abs == max(abs(o - r) for o, r, _ in data)
     assert s.nonfinite == s.mismatched == s.overflow == 0
     assert s.nonfinite_ref == (special is not None)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10 ** 30), 10 ** 30) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["params", "name", "shape", "dtype", "act", "nranks", "acc_steps",
+                         "group_size", "dst", "average", "x"]), inner, max_size=5),
+    max_leaves=30)
+
+
+@FUZZ
+@given(doc=_JSON, depth=st.integers(0, 300), digits=st.integers(1, 6000))
+def test_fuzzed_spec_json_is_a_spec_or_one_line_spec_error(tmp_path_factory, doc, depth,
+                                                         digits):
+    """Random JSON documents, wrapped in ``depth`` lists, and specs with a ``digits``-digit
+    size: a Spec or a one-line SpecError, never another exception."""
+    folder = tmp_path_factory.mktemp("spec")
+    texts = ["[" * depth + json.dumps(doc) + "]" * depth,
+             '{"params": [{"name": "w", "shape": [' + "7" * digits + '], "dtype": "fp32"}]}']
+    for i, text in enumerate(texts):
+        path = folder / f"spec{i}.json"
+        path.write_text(text)
+        try:
+            load_spec(str(path))
+        except SpecError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith(str(path))
