@@ -29,13 +29,14 @@ export PATH="$(dirname "$PYTHON"):$PATH"
 # Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" skips them (those tests then skip, not fail).
 EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
 TORCH=torch==2.13.0
-TORCH_INDEX=${MPIFUSION_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+# the package registry serves the CPU build of this version; MPIFUSION_TORCH_INDEX adds an index
+TORCH_INDEX=${MPIFUSION_TORCH_INDEX-}
 if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
   case ",$EXTRAS," in *,torch,*)
     "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
       "$PYTHON" -m pip install -q "$TORCH" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ;;
   esac
-  "$PYTHON" -m pip install -q -e ".[mpi,test${EXTRAS:+,$EXTRAS}]"
+  "$PYTHON" -m pip install -q -e ".[mpi,test,bench${EXTRAS:+,$EXTRAS}]"
 fi
 MPIEXEC=${MPIEXEC:-mpiexec}
 for n in ${MPIFUSION_TEST_RANKS:-1 2 3 4 8}; do
