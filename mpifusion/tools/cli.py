@@ -343,6 +343,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                          progress=not args.no_progress, comm_options=comm_options)
     try:
         return run_job(spec, options, comm, source=args.spec or f"preset {args.preset or 'tiny'}")
+    except MemoryError:  # past the estimate checked before building: one line, then abort
+        sys.stderr.write(f"mpifusion run: error: rank {comm.Get_rank()}: out of memory during "
+                         f"the run (a smaller model, fewer ranks per machine or "
+                         f"--release-grads need less)\n")
+        sys.stderr.flush()
+        if comm.Get_size() > 1:
+            comm.Abort(EXIT_INPUT)
+        return EXIT_INPUT
     except Exception:  # a rank failing mid-collective must not leave the others blocked
         import traceback
 

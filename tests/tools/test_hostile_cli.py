@@ -201,3 +201,16 @@ def test_run_with_a_bad_timeout_on_one_rank_only_exits_2_everywhere(n):
                   timeout=240)
     line = _one_line_error(res.stderr, "run")
     assert res.returncode == 2 and f"rank {n - 1}: MPIFUSION_TIMEOUT" in line
+
+
+def test_run_out_of_memory_mid_run_is_one_line(capsys, monkeypatch):
+    """Past the estimate checked before building (one rank here: no abort needed)."""
+    import mpifusion.tools.runjob as runjob
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(runjob, "run_job", no_memory)
+    code, _, err = run_cli(capsys, "run", "--steps", "1", "--no-progress")
+    line = _one_line_error(err, "run")
+    assert code == 2 and "rank 0: out of memory" in line
