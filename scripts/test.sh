@@ -3,8 +3,9 @@
 # registry and the test tools, runs the MPI tests under mpiexec at 1, 2, 3, 4 and 8 ranks,
 # then the serial tests. Extra arguments go to every pytest run (e.g. -k layout, -x).
 # Python: $PYTHON if set; else the virtual environment python3 runs in (an activated venv);
-# else ./.venv, created when missing (the README's quick start makes the same one), so a
-# distribution's "externally managed" Python is never installed into.
+# else python3 itself with MPIFUSION_NO_INSTALL=1; else ./.venv, created when missing (the
+# README's quick start makes the same one), so a distribution's "externally managed" Python
+# is never installed into.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -13,6 +14,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 if [ -z "${PYTHON:-}" ]; then
   if python3 -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
     PYTHON=$(python3 -c 'import sys; print(sys.executable)')   # already in a venv
+  elif [ -n "${MPIFUSION_NO_INSTALL:-}" ]; then
+    PYTHON=python3   # nothing to install: the Python that has it all
   else
     if [ ! -x .venv/bin/python ]; then
       echo "=== creating .venv (python3 -m venv .venv)"
@@ -29,12 +32,16 @@ export PATH="$(dirname "$PYTHON"):$PATH"
 # Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" skips them (those tests then skip, not fail).
 EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
 TORCH=torch==2.13.0
-# the package registry serves the CPU build of this version; MPIFUSION_TORCH_INDEX adds an index
-TORCH_INDEX=${MPIFUSION_TORCH_INDEX-}
+# PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): take the CPU build (+cpu) from
+# the configured indexes if they have it (no extra index: no network retries where it is
+# local), else from PyTorch's CPU index (MPIFUSION_TORCH_INDEX), else plain (macOS: CPU-only).
+TORCH_INDEX=${MPIFUSION_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
   case ",$EXTRAS," in *,torch,*)
     "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
-      "$PYTHON" -m pip install -q "$TORCH" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} ;;
+      "$PYTHON" -m pip install -q "$TORCH+cpu" 2>/dev/null ||
+      "$PYTHON" -m pip install -q "$TORCH+cpu" --extra-index-url "$TORCH_INDEX" 2>/dev/null ||
+      "$PYTHON" -m pip install -q "$TORCH" ;;
   esac
   "$PYTHON" -m pip install -q -e ".[mpi,test,bench${EXTRAS:+,$EXTRAS}]"
 fi
