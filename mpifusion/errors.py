@@ -65,3 +65,7 @@ class OrderError(CommError):
 class AbandonedError(CommError):
     """A collective on this communicator was given up (``reset(abandon=True)``) on some rank:
     later collectives would pair with the stale one, so they refuse to run."""
+
+
+class InputLimitError(FusionError, ValueError):
+    """Input beyond what can be read, planned or allocated here (one line, says why)."""

@@ -14,7 +14,7 @@ import re
 import stat
 from typing import Any, BinaryIO, Callable, Optional
 
-from .errors import FusionError
+from .errors import InputLimitError  # noqa: F401 (raised here, defined with the others)
 
 #: a spec or layout JSON file larger than this is refused (a GPT-scale spec is ~100 KiB)
 MAX_JSON_BYTES = 256 << 20
@@ -41,8 +41,6 @@ def shape_too_large(shape: Any) -> bool:
 MAX_LAYOUT_ENTRIES = 1 << 20
 
 
-class InputLimitError(FusionError, ValueError):
-    """Input beyond what can be read, planned or allocated here (one line, says why)."""
 
 
 def layout_problem(nparams: int, nranks: int) -> Optional[str]:
