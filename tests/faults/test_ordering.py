@@ -50,6 +50,14 @@ def test_suite(nranks, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_suite_one_rank(strategy):
+    rc, out = _job(1, "suite1", strategy, env={"MPIFUSION_TIMEOUT": ""})
+    assert rc == 0, out[-4000:]
+    for check in CHECKS[2:]:
+        assert re.search(rf"rank 0: {check} ok", out), (check, out[-4000:])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_suite_with_deadline(strategy):
     """The same with MPIFUSION_TIMEOUT set: start announcements and the tracker in play."""
     rc, out = _job(2, "suite", strategy, env={"MPIFUSION_TIMEOUT": "30"})
