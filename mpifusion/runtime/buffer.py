@@ -426,8 +426,9 @@ class FusedCommBuffer(ShardedParams):
         ``abandon=True``: MPI cannot cancel a collective, so the abandoned one stays
         pending -- its arrays are kept alive here, and if the late ranks ever join it,
         MPI finishes it into the buffer. With ``free_grads_in_comm`` the full grad buffer
-        comes back. Collectives on a communicator with an abandoned one no longer line up
-        across ranks: after a timeout the safe course is to save what you need and abort.
+        comes back (also after a collective that failed, e.g. with ``OrderError``). Later
+        collectives on a communicator with an abandoned one refuse to run
+        (``AbandonedError``): save what you need and abort, or use a fresh communicator.
         """
         task = self._task
         pending = False
@@ -448,6 +449,8 @@ class FusedCommBuffer(ShardedParams):
             logger.warning("%s: abandoned a pending collective (step %d); later collectives "
                            "on this communicator refuse to run (AbandonedError)", self._where(),
                            self._step)
+        failed = task is not None and not pending and task._error is not None
+        if pending or failed:  # the full grads, not the shard that got no result
             if self._pre_comm_grads is not None:
                 self.grad_storage = self._pre_comm_grads
                 self._grads_are_shard = False

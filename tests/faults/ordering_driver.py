@@ -97,6 +97,39 @@ def order_mismatch(sizes, label):
     say(f"{label} ok: {caught[0]}")
 
 
+def order_mismatch_free_grads():
+    """The same with a free_grads_in_comm REDUCE_SCATTER buffer: after the OrderError,
+    reset() gives the full local grads back (not the shard that got no result)."""
+    a, pa = make(0, [(40,)], tag="fa")
+    rp = [Param("fr0", np.zeros((30,), np.float32)), Param("fr1", np.zeros((9,), np.float32))]
+    rs = FusedCommBuffer(1, rp, world, act="reduce_scatter", release_grads=True,
+                         free_grads_in_comm=True, comm_options=opts())
+
+    def feed_rs(step):
+        for j, p in enumerate(rp):
+            rs.add_grad(p, grad=np.full(p.shape, value(rank, step, 10 + j, 0), np.float32))
+    steps = [lambda: feed(a, pa, 0, 0), lambda: feed_rs(0)]
+    for run in (steps[::-1] if rank == 0 else steps):
+        run()
+    caught = 0
+    for buf in (a, rs):
+        try:
+            buf.scale_grads()
+        except OrderError:
+            caught += 1
+        buf.reset()
+    if caught != 2:
+        sys.exit(f"rank {rank}: free grads: expected 2 OrderErrors, got {caught}")
+    if rs.grad_storage.size != rs.buffer_size:
+        sys.exit(f"rank {rank}: free grads: grad buffer of {rs.grad_storage.size} elements "
+                 f"after reset, expected the full {rs.buffer_size}")
+    for j, p in enumerate(rp):
+        slot = rs.layout[p.name]
+        if not np.all(rs.grad_storage[slot.offset:slot.end] == value(rank, 0, 10 + j, 0)):
+            sys.exit(f"rank {rank}: free grads: local grads of {p.name} lost after reset")
+    say("free-grads mismatch ok")
+
+
 def negotiated():
     """Adversarial orders: every rank finishes the buffers in its own random order, with
     jitter, over several steps (acc_steps 1 and 2, a REDUCE_SCATTER with sync_params)."""
@@ -230,6 +263,7 @@ def lifetime():
 def suite():
     order_mismatch((15, 15), "equal sizes")
     order_mismatch((15, 200), "different sizes")
+    order_mismatch_free_grads()
     negotiated()
     build_in_flight()
     threads()
