@@ -221,10 +221,12 @@ def alias():
     buf.scale_grads()
     check(params, 0, 0, "alias")
     buf.reset(zero_grads=True)
-    try:
-        buf.add_grad(p, grad=p.grad[1:4].reshape(3))
+    try:  # the right shape, shifted by one element: half in its own view
+        buf.add_grad(p, grad=buf.grad_storage[1:7])
+        sys.exit(f"rank {rank}: alias: a grad overlapping its own view was accepted")
     except GradError as exc:
-        pass  # the wrong shape is refused before the overlap
+        if "overlaps part of its own grad view" not in str(exc):
+            raise
     other, po = make(1, [(6,), (6,)], tag="al2")
     try:
         other.add_grad(po[0], grad=po[1].grad)
@@ -255,8 +257,9 @@ def lifetime():
     if threading.active_count() > threads0 or live_private_comms() > comms0:
         sys.exit(f"rank {rank}: lifetime: threads {threads0} -> {threading.active_count()}, "
                  f"private comms {comms0} -> {live_private_comms()}")
-    with make(99, [(4,)], tag="ctx")[0] as buf:
-        pass
+    with make(99, [(4,)], tag="ctx")[0] as ctx:
+        feed(ctx, ctx.params, 0, 0)  # started here, finished by close() on the way out
+    check(ctx.params, 0, 0, "context manager")
     say(f"lifetime ok (threads {threads0}, private comms {comms0})")
 
 
