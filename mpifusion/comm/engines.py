@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import queue
 import sys
 import threading
@@ -393,13 +394,32 @@ def live_private_comms() -> int:
 
 @atexit.register
 def _stop_engines() -> None:
-    """Let started collectives finish (bounded) and stop the threads before MPI finalizes."""
+    """Let started collectives finish (bounded) and stop the threads before MPI finalizes.
+
+    A communication thread still blocked in a collective that timed out or was abandoned
+    cannot be stopped, and MPI_Finalize under it crashes (SIGSEGV with MPICH): then the
+    process says so and exits with status 1 without finalizing."""
     global _EXITING
     quick = getattr(sys, "last_value", None) is not None  # exiting on an error
+    blocked = []
     for engine in list(_ENGINES.values()):
         if quick or engine.stuck or engine.abandoned is not None:
             engine.closed = True  # waiting only delays the abort
+            if (isinstance(engine, _ThreadEngine) and engine.thread.is_alive()
+                    and any(not t._finished() for t in list(engine.tasks))):
+                blocked.append(engine)
             continue
         engine.close(timeout=30.0)
     _EXITING = True
     _ENGINES.clear()
+    if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        sys.stderr.write(f"mpifusion: rank {blocked[0].rank}: exiting without MPI_Finalize: a "
+                         f"collective that timed out or was abandoned is still pending on a "
+                         f"communication thread, and MPI cannot finalize under it\n")
+        sys.stderr.flush()
+        os._exit(1)
