@@ -410,6 +410,9 @@ def _stop_engines() -> None:
                 blocked.append(engine)
             continue
         engine.close(timeout=30.0)
+        if (isinstance(engine, _ThreadEngine) and engine.thread.is_alive()
+                and any(not t._finished() for t in list(engine.tasks))):
+            blocked.append(engine)  # a collective the other ranks never joined
     _EXITING = True
     _ENGINES.clear()
     if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
@@ -419,7 +422,8 @@ def _stop_engines() -> None:
             except Exception:
                 pass
         sys.stderr.write(f"mpifusion: rank {blocked[0].rank}: exiting without MPI_Finalize: a "
-                         f"collective that timed out or was abandoned is still pending on a "
-                         f"communication thread, and MPI cannot finalize under it\n")
+                         f"collective that timed out, was abandoned or was never joined by the "
+                         f"other ranks is still pending on a communication thread, and MPI "
+                         f"cannot finalize under it\n")
         sys.stderr.flush()
         os._exit(1)

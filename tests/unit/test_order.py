@@ -69,3 +69,25 @@ def test_wait_timeout(value, expected):
 def test_wait_timeout_refused(value):
     with pytest.raises(OptionError, match="timeout: expected a number of seconds"):
         _deadline_seconds(value)
+
+
+def test_fused_parameters_order_option():
+    """order= reaches every buffer fused_parameters builds, and a step still works."""
+    from mpi4py import MPI
+
+    from mpifusion import Param, fused_parameters
+
+    params = [Param(f"w{i}", np.full((5 + i,), 1.0 + i, np.float32)) for i in range(3)]
+    _, _, buffers = fused_parameters(params, comm_overlap=True, comm_group=MPI.COMM_WORLD,
+                                     act="all_reduce", group_size=32, order="negotiated")
+    assert len(buffers) > 1 and {b.comm.order for b in buffers} == {"negotiated"}
+    for b in buffers:
+        for p in b.params:
+            b.add_grad(p, grad=np.full(p.shape, 2.0, np.float32))
+    for b in buffers:
+        b.scale_grads()
+        b.close()
+    assert all(np.all(p.grad == 2.0) for p in params)  # one rank: the mean is the grad
+    with pytest.raises(OptionError, match="order: expected one of strict, negotiated"):
+        fused_parameters(params, comm_overlap=True, comm_group=MPI.COMM_WORLD,
+                         act="all_reduce", order="random")
