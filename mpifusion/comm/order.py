@@ -38,14 +38,21 @@ _DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int64", "int32
 _MASK = (1 << 64) - 1
 
 
+_CODES: Dict[Any, int] = {}
+
+
 def dtype_code(dtype: Any) -> int:
-    name = getattr(dtype, "name", str(dtype))
-    return _DTYPES.index(name) if name in _DTYPES else 99
+    """A small int per dtype (cached: numpy's ``dtype.name`` is slow Python code)."""
+    code = _CODES.get(dtype)
+    if code is None:
+        name = getattr(dtype, "name", str(dtype))
+        code = _CODES[dtype] = _DTYPES.index(name) if name in _DTYPES else 99
+    return code
 
 
 def fingerprint(values: Sequence[int]) -> int:
-    """64 bits from a tuple of ints (int hashing is not salted: equal in every process)."""
-    return hash(tuple(int(v) for v in values)) & _MASK
+    """64 bits from ints (int hashing is not salted: equal in every process)."""
+    return hash(tuple(values)) & _MASK
 
 
 def describe_call(row: Sequence[int]) -> str:
@@ -76,12 +83,13 @@ def order_message(rank: int, rows: np.ndarray, where: str) -> str:
 
 def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
     """``steps`` preceded by the order check (one all-reduce of two uint64)."""
-    row = np.array([task.seq, *desc], dtype=np.int64)
-    h = np.uint64(fingerprint(row.tolist()))
-    send = np.array([h, ~h], dtype=np.uint64)
+    values = (task.seq, *desc)
+    h = fingerprint(values)
+    send = np.array([h, h ^ _MASK], dtype=np.uint64)
     recv = np.empty(2, dtype=np.uint64)
     yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
-    if recv[0] != ~recv[1]:
+    if int(recv[0]) ^ _MASK != int(recv[1]):
+        row = np.array(values, dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
         yield ("Allgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
         raise OrderError(order_message(comm.Get_rank(), rows, task.name or "collective"))
