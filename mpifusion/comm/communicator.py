@@ -180,7 +180,7 @@ class Communicator:
             engine.abandon(reason)
         self.tracker.announce_abandoned(key, seq)
 
-    def _check_usable(self, name: str) -> None:
+    def check_usable(self, name: str) -> None:
         """Refuse before anything changes: closed buffer, or an abandoned collective here or
         on a peer (announced on the control communicator)."""
         if self.closed or self.comm is None:
@@ -217,7 +217,7 @@ class Communicator:
                desc: Sequence[int]) -> CommTask:
         """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
         the order check compares (and OrderError names)."""
-        self._check_usable(name)
+        self.check_usable(name)
         task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
                         timeout=self.timeout)
         if self._negotiator is not None:

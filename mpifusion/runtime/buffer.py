@@ -571,7 +571,7 @@ class FusedCommBuffer(ShardedParams):
         if self._comm is None:
             raise StateError(f"{self._where()}: comm_grads: the buffer was built without a "
                             f"comm_group, so it cannot communicate")
-        self._comm._check_usable(f"buffer {self._id} comm_grads")  # closed or abandoned
+        self._comm.check_usable(f"buffer {self._id} comm_grads")  # closed or abandoned
         if self._naninf_check:
             self._check_naninf()
         n = self._comm.size
