@@ -413,7 +413,8 @@ def collect_info() -> dict:
     from .slurm import slurm_view, view_json
 
     return {
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        # Open MPI ends its version string with a NUL byte
+        "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
         "mpi_standard": f"{version[0]}.{version[1]}",
         "thread_level": level_name,
         "world_size": MPI.COMM_WORLD.Get_size(),
