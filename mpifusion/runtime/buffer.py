@@ -37,7 +37,7 @@ from ..config import CommOptions, naninf_check_from_env, parse_bool
 from ..dtypes import as_dtype
 from ..comm import health
 from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
-                     NanInfError, StateError)
+                     NanInfError, OptionError, StateError)
 from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
@@ -91,15 +91,22 @@ class FusedCommBuffer(ShardedParams):
     ) -> None:
         self._id = id
         self._params = list(params)
-        if comm_options is None:
-            comm_options = CommOptions.from_env()
-        if timeout is not None:
-            comm_options = replace(comm_options, timeout=timeout)  # parsed again: inf -> None
-        if order is not None:
-            comm_options = replace(comm_options, order=order)  # parsed again
+        try:  # bad options name this rank and buffer, like every other construction error
+            if comm_options is None:
+                comm_options = CommOptions.from_env()
+            elif not isinstance(comm_options, CommOptions):
+                raise OptionError(f"comm_options: expected a mpifusion.CommOptions or None, "
+                                  f"got {type(comm_options).__name__}")
+            if timeout is not None:
+                comm_options = replace(comm_options, timeout=timeout)  # parsed again: inf -> None
+            if order is not None:
+                comm_options = replace(comm_options, order=order)  # parsed again
+            self._naninf_check = (naninf_check_from_env() if check_naninf is None
+                                  else parse_bool(check_naninf, "check_naninf"))
+        except OptionError as exc:
+            rank = comm_group.Get_rank() if isinstance(comm_group, MPI.Comm) else world_rank()
+            raise OptionError(f"rank {rank}: buffer {id}: {exc}") from None
         deadline = comm_options.timeout
-        self._naninf_check = (naninf_check_from_env() if check_naninf is None
-                              else parse_bool(check_naninf, "check_naninf"))
         # opened below, after the agreement check that also compares this buffer
         comm = None if comm_group is None else Communicator(comm_group, comm_options, open=False)
         rank = comm.rank if comm is not None else world_rank()

@@ -218,7 +218,7 @@ def build(job: Job) -> None:
     for i, ps in enumerate(specs):
         data = src.values((INIT, i), ps.numel).astype(as_dtype(ps.dtype)).reshape(ps.shape)
         job.params.append(Param(ps.name, data, is_distributed=ps.is_distributed,
-                                need_clip=ps.need_clip, stop_gradient=ps.stop_gradient))
+                                need_clip=ps.need_clip))
     decay = {ps.name: ps.decay for ps in specs}
     act = HookAction.parse(spec.act)
     dst = spec.dst if spec.act == "reduce" else -1
@@ -271,11 +271,8 @@ class Verifier:
         stats = self.stats[param.name]
         real = max(0, min(hi, numel) - lo)
         if real:
-            if param.stop_gradient:  # no backward for it: its grads are zero everywhere
-                ref, absolute = np.zeros(real), np.zeros(real)
-            else:
-                ref, absolute = self.src.reference(step, pidx, lo, lo + real, self.size,
-                                                   spec.acc_steps)
+            ref, absolute = self.src.reference(step, pidx, lo, lo + real, self.size,
+                                               spec.acc_steps)
             ref /= self.size  # FusedCommBuffer always averages
             bound = error_bound(absolute, grad_dtype=_grad_dtype(spec, param),
                                 nranks=self.size, acc_steps=spec.acc_steps, average=True)
@@ -359,9 +356,8 @@ def one_step(job: Job, src: GradSource, step: int) -> StepTimes:
     for micro in range(job.spec.acc_steps):
         for pidx, p in order:
             buf = job.owner[p.name]
-            g = None
-            if not p.stop_gradient:  # table values convert exactly to the buffer's grad dtype
-                g = src.grad(rank, step, micro, pidx, p.shape).astype(buf.grad_dtype, copy=False)
+            # table values convert exactly to the buffer's grad dtype
+            g = src.grad(rank, step, micro, pidx, p.shape).astype(buf.grad_dtype, copy=False)
             t0 = time.perf_counter()
             p.backward(g)
             t1 = time.perf_counter()
@@ -387,10 +383,8 @@ def clear_grads(job: Job) -> None:
 
 
 def _progress(total: int, initial: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # optional: no bar without tqdm
-        return None
+    from tqdm import tqdm  # a dependency; imported here, only when a bar is shown
+
     return tqdm(total=total, initial=initial, unit="step", file=sys.stderr, leave=False,
                 dynamic_ncols=True)
 

@@ -323,3 +323,17 @@ def test_filter_params_refuses_two_half_dtypes():
     ps = [Param("x", np.zeros(2, np.float16)), Param("y", np.zeros(2, bfloat16))]
     with pytest.raises(LayoutError, match="'y'"):
         filter_params(ps, is_fp32=False, is_distributed=False, need_clip=True)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"timeout": -1}, "timeout: expected a number of seconds"),
+    ({"timeout": "soon"}, "timeout: expected"),
+    ({"order": "bogus"}, "order: expected one of strict, negotiated"),
+    ({"check_naninf": "maybe"}, "check_naninf: expected a boolean"),
+    ({"comm_options": {"strategy": "thread"}}, "comm_options: expected a mpifusion.CommOptions"),
+])
+def test_bad_comm_option_names_rank_buffer_and_option(kwargs, expected):
+    from mpifusion.errors import OptionError
+
+    with pytest.raises(OptionError, match=f"^rank 0: buffer 7: {expected}"):
+        FusedCommBuffer(7, params(), SELF, act=HookAction.ALL_REDUCE, **kwargs)
