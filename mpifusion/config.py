@@ -18,6 +18,8 @@ STRATEGY_ENV = "MPIFUSION_COMM_STRATEGY"
 SEGMENT_ENV = "MPIFUSION_SEGMENT_BYTES"
 TIMEOUT_ENV = "MPIFUSION_TIMEOUT"
 AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
+#: ``nonblocking``: how many segments of one collective are in flight at once
+WINDOW_ENV = "MPIFUSION_WINDOW"
 #: ``strict`` (collectives start in program order, verified) or ``negotiated`` (ranks agree)
 ORDER_ENV = "MPIFUSION_ORDER"
 #: strict order: check before each collective that every rank starts the same one
@@ -38,6 +40,10 @@ DEFAULT_STRATEGY = "auto"
 #: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
 #: ``thread`` strategy's default segment size is the machine's (``CommOptions.segment``).
 DEFAULT_SEGMENT_BYTES = 8 << 20
+#: ``nonblocking``: segments in flight per collective (measured: BENCHMARKS.md, "Nonblocking
+#: window"); 1 issues the next segment only when the previous one landed.
+DEFAULT_WINDOW = 4
+MAX_WINDOW = 64
 #: Deadlines longer than this (about 31 years) mean "no deadline": waits take float seconds
 #: and threading/time functions overflow on huge values.
 MAX_TIMEOUT = 1e9
@@ -80,6 +86,17 @@ def parse_segment_bytes(value: Any, what: str = "segment_bytes") -> int:
     if (isinstance(value, bool) or not isinstance(value, int) or value < 0
             or value > (1 << 62)):
         raise OptionError(f"{what}: expected an int >= 0 (0: no segments), got {value!r}")
+    return int(value)
+
+
+def parse_window(value: Any, what: str = "window") -> int:
+    """Segments in flight: an int in [1, MAX_WINDOW] (strings of such ints accepted)."""
+    if isinstance(value, str):
+        text = value.strip()
+        value = int(text) if text.isdigit() else text
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WINDOW:
+        raise OptionError(f"{what}: expected an int in [1, {MAX_WINDOW}] (segments of one "
+                          f"collective in flight at once), got {value!r}")
     return int(value)
 
 
@@ -170,6 +187,7 @@ class CommOptions:
     check_agreement: bool = True
     order: str = "strict"
     verify_order: bool = True
+    window: int = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", parse_strategy(self.strategy))
@@ -180,16 +198,15 @@ class CommOptions:
                            parse_bool(self.check_agreement, "check_agreement"))
         object.__setattr__(self, "order", parse_order(self.order))
         object.__setattr__(self, "verify_order", parse_bool(self.verify_order, "verify_order"))
+        object.__setattr__(self, "window", parse_window(self.window))
 
     @property
     def segment(self) -> int:
-        """Segment size in bytes after defaults (0: one segment per buffer). The ``thread``
-        default is this machine's: ``mpifusion tune``'s result, else from the L2 size
-        (machine.py)."""
+        """Segment size in bytes after defaults (0: one segment per buffer). The default is
+        this machine's, for both strategies (``nonblocking`` keeps ``window`` segments in
+        flight): ``mpifusion tune``'s result, else from the L2 size (machine.py)."""
         if self.segment_bytes is not None:
             return self.segment_bytes
-        if self.strategy == "nonblocking":
-            return 0
         from .machine import default_segment_bytes
 
         return default_segment_bytes()
@@ -215,6 +232,9 @@ class CommOptions:
         value = environ.get(AGREEMENT_ENV, "").strip()
         if value:
             fields["check_agreement"] = parse_bool(value, AGREEMENT_ENV)
+        value = environ.get(WINDOW_ENV, "").strip()
+        if value:
+            fields["window"] = parse_window(value, WINDOW_ENV)
         value = environ.get(ORDER_ENV, "").strip()
         if value:
             fields["order"] = parse_order(value, ORDER_ENV)

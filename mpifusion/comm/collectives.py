@@ -1,20 +1,25 @@
 """Each collective written once, as a generator of MPI calls.
 
-A generator yields ``(method, args, kwargs)`` for mpi4py's blocking method; the engine
-decides whether to run it blocking (thread) or as the ``I`` form (nonblocking). Code after a
-``yield`` runs once that call has completed: that is where each reduced segment is scaled
-(and rounded back, for half precision) while it is still in cache.
+A generator yields ``(method, args, kwargs)`` or ``(method, args, kwargs, land)`` for mpi4py's
+blocking method (``task.Call`` has the rules); the engine decides whether to run it blocking
+(thread) or as the ``I`` form (nonblocking, up to ``window`` segments in flight). Code after a
+3-tuple ``yield`` runs once that call has completed; ``land`` runs once its call completed,
+in issue order: that is where each reduced segment is scaled (and rounded back, for half
+precision) while it is still in cache. Scratch that a pipelined call reads or writes comes
+from a ring of ``window`` slots (``_ring``), reused only after its call landed.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from functools import partial
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ..arrays import backend, cuda, halfcast
 from ..dtypes import HALF, float32
-from .task import Steps
+from ..arrays.staging import CupyDevice, Device, StagedSegments
+from .task import FENCE, Steps
 
 _MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}  # by dtype.char: cheaper than .name
 
@@ -26,53 +31,94 @@ def _spec(arr: Any) -> list:
 
 def _on_host(buf: Any) -> Tuple[Any, bool]:
     """(array MPI may read, staged?): device buffers go through pinned host memory when the
-    MPI is not CUDA-aware."""
-    if backend.is_cupy(buf) and not cuda.is_cuda_aware():
+    MPI is not CUDA-aware (whole: the collectives that are not segmented)."""
+    if _staged(buf):
         return cuda.stage(buf), True
     return buf, False
 
 
-def _scratch(n: int, like: Any) -> Any:
-    return backend.empty(n, float32, like if backend.is_cupy(like) else None)
+def _staged(buf: Any) -> bool:
+    return backend.is_cupy(buf) and not cuda.is_cuda_aware()
+
+
+def _ring(slots: int, n: int, dtype: Any, like: Any) -> list:
+    """``slots`` scratch arrays of ``n`` elements on ``like``'s device: the scratch of the
+    pipelined calls, slot ``k % slots`` for call ``k`` (reused once call ``k`` landed)."""
+    device = like if backend.is_cupy(like) else None
+    return [backend.empty(n, dtype, device) for _ in range(slots)]
+
+
+class _HostSegments:
+    """The segments of an array MPI can read: fp32/fp64 in place, half precision widened
+    into a ring of ``window`` fp32 slots. Same interface as ``staging.StagedSegments``."""
+
+    def __init__(self, flat: Any, seg: int, window: int, scale: Optional[float],
+                 lands: bool) -> None:
+        self.flat, self.seg, self.scale, self.lands = flat, seg, scale, lands
+        count = -(-flat.size // seg) if flat.size else 0
+        self.work = (_ring(min(window, count), min(seg, flat.size), float32, flat)
+                     if flat.dtype in HALF else None)
+
+    def segments(self) -> Iterator[Tuple[Any, Any]]:
+        flat, seg, work = self.flat, self.seg, self.work
+        for k, start in enumerate(range(0, flat.size, seg)):
+            part = flat[start:start + seg]
+            if work is not None:
+                w = work[k % len(work)][:part.size]
+                halfcast.widen(part, w)  # memory speed; the same bits as w[...] = part
+                cuda.synchronize(w)  # a device widening kernel must finish before MPI reads w
+            else:
+                w = part
+            land = None
+            if self.lands and (self.scale is not None or work is not None):
+                land = partial(_land, w, self.scale, part if work is not None else None)
+            yield w, land
+
+    def finish(self) -> None:
+        pass
+
+
+def _land(w: Any, scale: Optional[float], out: Any) -> None:
+    """A reduced segment, still in cache: scale it, round it back into ``out`` (half)."""
+    if scale is not None:
+        backend.scale_(w, scale)
+    if out is not None:
+        halfcast.narrow(w, out)  # round to nearest even, as out[...] = w
 
 
 def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[int],
-                     rank: int) -> Steps:
-    """Allreduce (``root is None``) or reduce to ``root``, one segment at a time; each reduced
-    segment is scaled (and rounded back, for half precision) while it is still in cache."""
-    flat, staged = _on_host(buf.reshape(-1))
-    half = flat.dtype in HALF
+                     rank: int, window: int = 1, device: Optional[Device] = None) -> Steps:
+    """Allreduce (``root is None``) or reduce to ``root``, one segment at a time, pipelined:
+    up to ``window`` segments in flight; each reduced segment is scaled (and rounded back,
+    for half precision) while it is still in cache. A device buffer on an MPI that is not
+    CUDA-aware (or any buffer, given a staging ``device``) goes through
+    ``staging.StagedSegments``: its copies overlap the reduction of other segments."""
+    flat = buf.reshape(-1)
     lands = root is None or root == rank
-    work = _scratch(min(seg, flat.size), flat) if half else None
-    for start in range(0, flat.size, seg):
-        part = flat[start:start + seg]
-        if half:
-            w = work[:part.size]
-            halfcast.widen(part, w)  # memory speed; the same bits as w[...] = part
-            cuda.synchronize(w)  # a device widening kernel must finish before MPI reads w
-        else:
-            w = part
+    if device is not None or _staged(flat):
+        source: Any = StagedSegments(flat, seg, window, scale if lands else None, lands,
+                                     device or CupyDevice(flat))
+    else:
+        source = _HostSegments(flat, seg, window, scale, lands)
+    for w, land in source.segments():
         if root is None:
-            yield ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM})
+            yield ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
         elif lands:
-            yield ("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root})
+            yield ("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root}, land)
         else:
-            yield ("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root})
-        if lands:
-            if scale is not None:
-                backend.scale_(w, scale)
-            if half:
-                halfcast.narrow(w, part)  # round to nearest even, as part[...] = w
-    if staged and lands:
-        cuda.unstage(flat, buf.reshape(-1))
+            yield ("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
+    if isinstance(source, StagedSegments) or backend.is_cupy(flat):
+        yield FENCE  # every segment landed (its copy back or its kernels were started)
+        source.finish()
     cuda.synchronize(buf)
 
 
 def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg: int,
-                          nranks: int, rank: int) -> Steps:
+                          nranks: int, rank: int, window: int = 1) -> Steps:
     """Reduce-scatter in rounds: round k packs piece k of every rank's shard (widened to fp32
-    for half precision) into one scratch, reduce-scatters it, and lands this rank's piece.
-    Scratch memory: (nranks + 1) pieces, whatever the buffer size; aliasing is allowed."""
+    for half precision) into a scratch slot, reduce-scatters it, and lands this rank's piece;
+    up to ``window`` rounds in flight. Scratch memory: ``window`` x (nranks + 1) pieces,
+    whatever the buffer size; aliasing is allowed."""
     send, staged = _on_host(sendbuf.reshape(-1))
     recv_dev = recvbuf.reshape(-1)
     # staged: land in host memory, copied to the device once at the end
@@ -91,30 +137,38 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
         cuda.synchronize(recvbuf)
         return
     piece = max(1, min(seg // nranks, shard))
-    wdtype = float32 if send.dtype in HALF else send.dtype
-    pack = backend.empty(nranks * piece, wdtype, send if backend.is_cupy(send) else None)
-    out = backend.empty(piece, wdtype, send if backend.is_cupy(send) else None)
+    half = send.dtype in HALF
+    wdtype = float32 if half else send.dtype
+    slots = min(window, -(-shard // piece))
+    packs = _ring(slots, nranks * piece, wdtype, send)
+    outs = _ring(slots, piece, wdtype, send)
     grid = send.reshape(nranks, shard)
-    for start in range(0, shard, piece):
+    for k, start in enumerate(range(0, shard, piece)):
         n = min(piece, shard - start)
-        block = pack[:nranks * n].reshape(nranks, n)
-        if send.dtype not in HALF:
+        block = packs[k % slots][:nranks * n].reshape(nranks, n)
+        if not half:
             block[...] = grid[:, start:start + n]
         else:  # half: widen row by row (each row is contiguous)
             for r in range(nranks):
                 halfcast.widen(grid[r, start:start + n], block[r])
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
-        o = out[:n]
-        yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM})
-        if scale is not None:
-            backend.scale_(o, scale)
-        if recv.dtype not in HALF:
-            recv[start:start + n] = o
-        else:
-            halfcast.narrow(o, recv[start:start + n])
+        o = outs[k % slots][:n]
+        yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM},
+               partial(_land_piece, o, scale, recv[start:start + n]))
     if staged:
+        yield FENCE
         cuda.unstage(recv, recv_dev)
     cuda.synchronize(recvbuf)
+
+
+def _land_piece(o: Any, scale: Optional[float], out: Any) -> None:
+    """This rank's reduced piece into its place in the shard (rounded back for half)."""
+    if scale is not None:
+        backend.scale_(o, scale)
+    if out.dtype not in HALF:
+        out[...] = o
+    else:
+        halfcast.narrow(o, out)
 
 
 def allgather_steps(buf: Any) -> Steps:

@@ -10,9 +10,11 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
     progresses on its own while the caller keeps calling ``add_grad`` or computing. Needs
     ``MPI_THREAD_MULTIPLE`` (mpi4py's default level).
 ``nonblocking``
-    The plain way: ``Iallreduce``/``Ireduce``/... issued from the calling thread; progress
-    happens whenever ``poll()`` (every ``add_grad``), ``is_completed()`` or ``wait()`` calls
-    into MPI.
+    ``Iallreduce``/``Ireduce``/... in segments, up to ``window`` of them in flight (a
+    pipeline: each lands -- scaled, rounded back -- as it completes, while later ones are in
+    flight). Progressed by a progress thread at ``MPI_THREAD_MULTIPLE``, else by ``poll()``
+    (every ``add_grad``), ``is_completed()`` and ``wait()`` (engines.py). The path for MPIs
+    without ``MPI_THREAD_MULTIPLE``.
 
 Every collective is written once, as a generator of MPI calls (``collectives.py``); a
 strategy only decides whether each call is blocking (on the thread) or non-blocking.
@@ -100,6 +102,8 @@ class Communicator:
         self.order = options.order
         self.verify = options.verify_order
         self.segment_bytes = options.segment
+        # segments in flight per collective: the thread runs one blocking call at a time
+        self.window = options.window if self.strategy == "nonblocking" else 1
         self.timeout = options.timeout
         self.user_comm = comm
         self.rank = comm.Get_rank()
@@ -121,6 +125,7 @@ class Communicator:
         return [("strategy", self.strategy),
                 ("segment_bytes", "machine default (smallest over ranks)" if explicit is None
                  else str(explicit)),
+                ("window", str(self.window)),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -204,7 +209,7 @@ class Communicator:
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, strategy={self.strategy!r}, "
-                f"segment_bytes={self.segment_bytes})")
+                f"segment_bytes={self.segment_bytes}, window={self.window})")
 
     def _segment(self, dtype: Any) -> int:
         """Elements per segment for ``dtype`` buffers (everything at once when 0)."""
@@ -220,6 +225,7 @@ class Communicator:
         self.check_usable(name)
         task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
                         timeout=self.timeout)
+        task.window = self.window
         if self._negotiator is not None:
             task._event = threading.Event()
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
@@ -238,7 +244,8 @@ class Communicator:
     def allreduce(self, buf: Any, scale: Optional[float] = None,
                   name: str = "allreduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         cuda.synchronize(buf)
-        steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank)
+        steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank,
+                                window=self.window)
         return self._start(steps, (buf,), name,
                            (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 
@@ -250,7 +257,7 @@ class Communicator:
                             f"got {root!r}")
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=int(root),
-                                 rank=self.rank)
+                                 rank=self.rank, window=self.window)
         return self._start(steps, (buf,), name,
                            (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag))
 
@@ -267,7 +274,7 @@ class Communicator:
                             f"buffer's dtype {sendbuf.dtype}, got {recvbuf.dtype}")
         cuda.synchronize(sendbuf)
         steps = reduce_scatter_steps(sendbuf, recvbuf, scale, self._segment(sendbuf.dtype),
-                                      self.size, self.rank)
+                                      self.size, self.rank, window=self.window)
         return self._start(steps, (sendbuf, recvbuf), name,
                            (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
                             -1, *tag))

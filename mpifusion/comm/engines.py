@@ -27,6 +27,7 @@ from typing import Deque, Dict, Optional
 from mpi4py import MPI
 
 from ..errors import AbandonedError, CommTimeoutError, StateError
+from .poll import Backoff, poll
 from .task import CommTask
 
 
@@ -101,60 +102,106 @@ class _Engine:
         self.closed = True
 
 
-class _NonBlockingEngine(_Engine):
-    """Non-blocking calls from the caller's thread; progress whenever MPI is called.
+def _iform(name: str, _cache: Dict[str, str] = {}) -> str:
+    """mpi4py's non-blocking method for a blocking one (Allreduce -> Iallreduce)."""
+    iname = _cache.get(name)
+    if iname is None:
+        iname = _cache[name] = "I" + name[0].lower() + name[1:]
+    return iname
 
-    One call is in flight per communicator: a task issues its next call when its previous
-    one is done, and a task starts only when every earlier task has finished, so all ranks
-    issue the same calls in the same order whatever their timing. Only the thread holding
-    the engine's lock calls MPI; others skip progress (or poll) meanwhile.
+
+class _NonBlockingEngine(_Engine):
+    """Non-blocking calls, up to ``task.window`` of one task in flight (a pipeline).
+
+    The head task issues pipelined calls (4-tuple steps) while fewer than its ``window`` are
+    in flight, lands them in issue order as they complete, and treats a fence (3-tuple
+    step) as "nothing more until everything landed". A task starts only when every earlier
+    task has finished, so all ranks issue the same calls in the same order whatever their
+    timing. Only the thread holding the engine's lock calls MPI or runs a task's steps.
+
+    Progress without the caller: at ``MPI_THREAD_MULTIPLE`` a progress thread tests the
+    requests (under the lock, with back-off up to 1 ms) while tasks are in flight, so
+    pipelined segments move on while the caller computes. Below that level no second thread
+    may call MPI: progress then comes from ``poll()`` (every ``add_grad``), ``is_completed()``
+    and ``wait()``, plus the library's own asynchronous progress where it has one (MPICH:
+    ``MPIR_CVAR_ASYNC_PROGRESS=1``, which itself needs ``MPI_THREAD_MULTIPLE``).
     """
+
+    def __init__(self, comm: MPI.Comm, label: str = "") -> None:
+        super().__init__(comm, label)
+        self.moves = 0                  # calls issued or landed (progress thread's back-off)
+        self.wake = threading.Event()   # set when a task is submitted
+        self.thread: Optional[threading.Thread] = None
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self.thread = threading.Thread(target=self._run_progress,
+                                           name="mpifusion-progress", daemon=True)
+            self.thread.start()
 
     def submit(self, task: CommTask, inline: bool = False) -> None:
         with self.lock:
             self._stamp(task)
             self.tasks.append(task)
         self.progress()
+        self.wake.set()
 
     def submit_from_stream(self, task: CommTask) -> None:
         self._stamp(task)  # the lock is held: steps only run inside progress
         self.tasks.append(task)
 
-    def _advance(self, task: CommTask) -> None:
-        """Issue ``task``'s next call (and run the landing code before it) once the previous
-        call is done; mark the task finished after its last landing."""
+    def _stop(self, task: CommTask, exc: Optional[BaseException] = None) -> None:
+        """No more calls for ``task`` (``exc``: why it failed); what is in flight still
+        completes before the task is finished (MPI cannot cancel a collective)."""
+        if exc is not None:
+            task._fail(exc)
+        task._stopped = True
+
+    def _advance(self, task: CommTask) -> bool:
+        """Land what completed, issue what the window allows; True once ``task`` finished
+        (its last call landed, or it failed and nothing of it is in flight)."""
         comm = self.comm
+        inflight = task._requests
         while True:
-            if task._requests:
-                if not task._requests[0].Test():
-                    return
-                task._requests = []
+            while inflight and inflight[0][0].Test():
+                land = inflight.popleft()[1]
+                self.moves += 1
+                if land is not None and task._error is None:
+                    try:
+                        land()
+                    except Exception as exc:  # raised by wait()
+                        self._stop(task, exc)
+            if inflight and (task._stopped or task._blocked or len(inflight) >= task.window):
+                return False
+            if task._stopped:
+                break
+            task._blocked = False
             try:
-                name, args, kwargs = next(task._steps)
+                step = next(task._steps)
             except StopIteration:
-                break
-            except Exception as exc:  # a landing error or an OrderError: raised by wait()
-                task._fail(exc)
-                break
-            if name == "_pause":
+                self._stop(task)
+                continue
+            except Exception as exc:  # landing code or an OrderError: raised by wait()
+                self._stop(task, exc)
+                continue
+            if step[0] == "_pause":
+                task._blocked = True  # a fence: the pause itself is skipped
                 continue
             if self.abandoned is not None:
-                task._fail(self._refused())
-                break
+                self._stop(task, self._refused())
+                continue
             try:
-                task._requests = [getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs)]
+                request = getattr(comm, _iform(step[0]))(*step[1], **step[2])
             except Exception as exc:
-                task._fail(exc)
-                break
+                self._stop(task, exc)
+                continue
+            self.moves += 1
+            task._blocked = len(step) == 3
+            inflight.append((request, step[3] if len(step) > 3 else None))
         task._event.set()
+        return True
 
     def _progress(self) -> None:
         tasks = self.tasks
-        while tasks:
-            head = tasks[0]
-            self._advance(head)
-            if not head._event.is_set():
-                return
+        while tasks and self._advance(tasks[0]):
             tasks.popleft()
 
     def progress(self) -> None:
@@ -164,27 +211,54 @@ class _NonBlockingEngine(_Engine):
             finally:
                 self.lock.release()
 
+    def _run_progress(self) -> None:
+        """The progress thread (MPI_THREAD_MULTIPLE only): test while tasks are in flight."""
+        backoff = Backoff(1e-5, 1e-3)
+        while not self.closed:
+            if not self.tasks:
+                self.wake.wait()
+                self.wake.clear()
+                backoff.reset()
+                continue
+            before = self.moves
+            if self.lock.acquire(blocking=False):
+                try:
+                    if not self.closed:
+                        self._progress()
+                finally:
+                    self.lock.release()
+            if self.moves != before:
+                backoff.reset()
+            else:
+                backoff.sleep()
+
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 1e-6
-        while True:
+        def done() -> bool:
             if self.lock.acquire(blocking=False):
                 try:
                     self._progress()
-                    if task._event.is_set():
-                        return
-                    if deadline is None and self.tasks and self.tasks[0]._requests:
-                        # block on the oldest call: nothing else can move before it
-                        self.tasks[0]._requests[0].Wait()
-                        continue
+                    # without a deadline, block on the oldest call: nothing moves before it
+                    while (timeout is None and not task._event.is_set() and self.tasks
+                           and self.tasks[0]._requests):
+                        self.tasks[0]._requests[0][0].Wait()
+                        self._progress()
                 finally:
                     self.lock.release()
-            elif task._event.is_set():
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise task._timeout_error(timeout)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            return task._event.is_set()
+
+        if not poll(done, timeout):
+            raise task._timeout_error(timeout)
+
+    def close(self, timeout: float) -> None:
+        super().close(timeout)
+        self.stop_thread()
+
+    def stop_thread(self) -> None:
+        """Stop the progress thread (before MPI finalizes: it must not call MPI after)."""
+        self.closed = True
+        self.wake.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=1.0)
 
 
 #: the event of a task that ran inline: already set (making an Event costs a few us)
@@ -204,13 +278,16 @@ class _ThreadEngine(_Engine):
     def _execute(self, task: CommTask) -> None:
         comm = self.comm
         try:
-            for name, args, kwargs in task._steps:
-                if name == "_pause":
-                    time.sleep(args[0])
+            for step in task._steps:
+                if step[0] == "_pause":
+                    if step[1][0] > 0:
+                        time.sleep(step[1][0])
                     continue
                 if self.abandoned is not None:
                     raise self._refused()
-                getattr(comm, name)(*args, **kwargs)
+                getattr(comm, step[0])(*step[1], **step[2])
+                if len(step) > 3 and step[3] is not None:
+                    step[3]()  # blocking: the call landed, land it now
         except BaseException as exc:  # reported to the caller by wait()
             task._fail(exc)
 
@@ -332,16 +409,11 @@ def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None)
         if dup is not None:
             return dup
         dup, request = comm.Idup()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 1e-5
-        while not request.Test():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CommTimeoutError(
+        if not poll(request.Test, timeout, first=1e-5):
+            raise CommTimeoutError(
                     f"rank {comm.Get_rank()}: duplicating comm_group for mpifusion (first "
                     f"buffer on it) did not complete within {timeout:g} s: some rank of "
                     f"the {comm.Get_size()} has not built a buffer on this communicator")
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
         dups[tag] = dup
         _LIVE[dup.py2f()] = dup
         return dup
@@ -405,6 +477,8 @@ def _stop_engines() -> None:
     for engine in list(_ENGINES.values()):
         if quick or engine.stuck or engine.abandoned is not None:
             engine.closed = True  # waiting only delays the abort
+            if isinstance(engine, _NonBlockingEngine):
+                engine.stop_thread()
             if (isinstance(engine, _ThreadEngine) and engine.thread.is_alive()
                     and any(not t._finished() for t in list(engine.tasks))):
                 blocked.append(engine)

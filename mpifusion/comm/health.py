@@ -27,13 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import AgreementError, CommTimeoutError
+from .poll import poll
 
 #: Point-to-point tag of start announcements on mpifusion's private communicator (collectives
 #: live in a separate MPI context, so they never match these messages).
@@ -137,20 +137,14 @@ def _allgather_entries(comm: MPI.Comm, entries: list, timeout: Optional[float], 
 def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None) -> None:
     """Poll ``req`` until done (each test under ``lock``), bounded by ``timeout``;
     ``message()`` builds the CommTimeoutError text."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 1e-5
-    while True:
-        if lock is None:
-            done = req.Test()
-        else:
+    if lock is None:
+        done = req.Test
+    else:
+        def done() -> bool:
             with lock:
-                done = req.Test()
-        if done:
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            raise CommTimeoutError(message())
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-2)
+                return req.Test()
+    if not poll(done, timeout, first=1e-5, cap=1e-2):
+        raise CommTimeoutError(message())
 
 
 class StartTracker:

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import collections
 import threading
+from functools import partial
 from typing import Any, Deque, Dict, List, Optional, Sequence, TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import OrderError
-from .task import CommTask, Steps
+from .poll import Backoff
+from .task import FENCE, CommTask, Steps
 
 if TYPE_CHECKING:
     from .engines import _Engine
@@ -154,7 +156,7 @@ class Negotiator:
         words = self.WORDS
         send = np.zeros(2 * words + 2, dtype=np.uint64)
         recv = np.empty_like(send)
-        rnd, pause = 0, 0.0
+        rnd, backoff = 0, Backoff(2e-5, self.MAX_PAUSE)
         while True:
             send[:words] = 0
             with self.lock:
@@ -179,10 +181,12 @@ class Negotiator:
                 with self.lock:
                     task = self.queues[item].popleft()
                     self.current = task
+                rt.window = task.window  # its pipelined calls run in the round's place
                 try:
-                    yield from task._steps
+                    yield from _own_landings(task)
                 except Exception as exc:  # a landing error: the task's, not the round's
                     task._fail(exc)
+                rt.window = 1
                 with self.lock:
                     self.current = None
                 task._event.set()
@@ -196,7 +200,23 @@ class Negotiator:
                     self.engine.submit_from_stream(self._round_task())
                 return
             if agreed:
-                pause = 0.0
+                backoff.reset()
             else:
-                pause = min(max(2 * pause, 2e-5), self.MAX_PAUSE)
-                yield ("_pause", (pause,), {})
+                yield ("_pause", (backoff.next(),), {})
+
+
+def _own_landings(task: CommTask) -> Steps:
+    """``task``'s steps inside a negotiation round: its landing errors stay its own (not the
+    round's), and it ends with a fence, so the round marks it finished only once landed."""
+    for step in task._steps:
+        if len(step) > 3 and step[3] is not None:
+            step = (*step[:3], partial(_land_for, task, step[3]))
+        yield step
+    yield FENCE
+
+
+def _land_for(task: CommTask, land: Any) -> None:
+    try:
+        land()
+    except Exception as exc:
+        task._fail(exc)

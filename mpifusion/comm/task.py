@@ -7,6 +7,7 @@ is bounded like every other wait).
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence, Tuple, TYPE_CHECKING
@@ -17,11 +18,22 @@ from ..errors import CommError, CommTimeoutError, FusionError, OptionError
 if TYPE_CHECKING:
     from .engines import _Engine
 
-#: One MPI call of a collective: (name of the blocking mpi4py method, args, kwargs). The
-#: non-blocking form is the same name with an ``I`` in front (Allreduce -> Iallreduce).
-#: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips it.
-Call = Tuple[str, tuple, dict]
+#: One MPI call of a collective: ``(name of the blocking mpi4py method, args, kwargs)`` or
+#: ``(name, args, kwargs, land)``. The non-blocking form is the same name with an ``I`` in
+#: front (Allreduce -> Iallreduce).
+#:
+#: - 3-tuple, a *fence*: the generator resumes only after this call and every earlier one
+#:   completed and landed (the order check, negotiation rounds, barriers, the last step).
+#: - 4-tuple, *pipelined*: the engine may resume the generator to prepare the next call while
+#:   this one is in flight, and runs ``land()`` when it completed, in issue order. An engine
+#:   pulls the next call only while fewer than ``task.window`` are in flight, so a scratch
+#:   ring of ``window`` slots is reused only after its previous call landed.
+#:
+#: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips
+#: it; both first finish what is in flight (:data:`FENCE` is a pause of 0).
+Call = Tuple[Any, ...]
 Steps = Generator[Call, None, None]
+FENCE: Call = ("_pause", (0.0,), {})
 
 
 def _deadline_seconds(timeout: Any) -> Optional[float]:
@@ -50,13 +62,13 @@ class CommTask:
 
     __slots__ = ("name", "_requests", "_keep", "_finish", "_done", "_steps", "_engine",
                  "_event", "_error", "_rank", "timed_out", "abandoned", "timeout", "seq",
-                 "on_fail", "__weakref__")
+                 "on_fail", "window", "_blocked", "_stopped", "__weakref__")
 
     def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
                  timeout: Optional[float] = None) -> None:
         self.name = name
-        self._requests: list = []   # the nonblocking engine's call in flight
+        self._requests: Any = collections.deque()  # nonblocking engine: (request, land), oldest first
         self._keep = list(keep)
         self._finish: Optional[Callable[[], None]] = None
         self._done = False          # completed and cleaned up (callbacks ran)
@@ -70,6 +82,9 @@ class CommTask:
         self.timeout = timeout
         self.seq = -1               # position in the engine's stream (set on submit)
         self.on_fail: Optional[Callable[[BaseException], None]] = None
+        self.window = 1             # pipelined calls in flight at most (nonblocking engine)
+        self._blocked = False       # the last call was a fence: pull nothing until it landed
+        self._stopped = False       # no more calls (steps exhausted, or failed)
 
     # -- engine side
     def _fail(self, exc: BaseException) -> None:
