@@ -127,12 +127,19 @@ class _NonBlockingEngine(_Engine):
     ``MPIR_CVAR_ASYNC_PROGRESS=1``, which itself needs ``MPI_THREAD_MULTIPLE``).
     """
 
-    def __init__(self, comm: MPI.Comm, label: str = "") -> None:
+    def __init__(self, comm: MPI.Comm, label: str = "",
+                 progress_thread: Optional[bool] = None) -> None:
+        """``progress_thread``: None = where the thread level allows it (tests pass False
+        to drive progress themselves; True is refused below MPI_THREAD_MULTIPLE)."""
         super().__init__(comm, label)
         self.moves = 0                  # calls issued or landed (progress thread's back-off)
         self.wake = threading.Event()   # set when a task is submitted
         self.thread: Optional[threading.Thread] = None
-        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if progress_thread and not multiple:
+            raise StateError(f"rank {self.rank}: a progress thread needs MPI_THREAD_MULTIPLE "
+                             f"(the level is {MPI.Query_thread()})")
+        if multiple if progress_thread is None else progress_thread:
             self.thread = threading.Thread(target=self._run_progress,
                                            name="mpifusion-progress", daemon=True)
             self.thread.start()

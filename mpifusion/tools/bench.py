@@ -122,7 +122,8 @@ def build_buffers(params: Sequence[Param], act: HookAction, group_bytes: int, co
                   strategy: str, **kwargs: Any) -> List[FusedCommBuffer]:
     groups = assign_group_by_size(list(params), group_size=group_bytes)
     dst = 0 if act == HookAction.REDUCE else -1
-    options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True))
+    options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True),
+                          window=kwargs.pop("window", None) or CommOptions.window)
     buffers = [FusedCommBuffer(i, plist, comm, act=act, dst=dst, comm_options=options, **kwargs)
                for i, plist in groups.items()]
     for b in buffers:  # real pages with real values, as after a backward pass
@@ -443,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--iters", type=_positive, default=5)
     ap.add_argument("--warmup", type=_non_negative, default=1)
     ap.add_argument("--strategies", default=",".join(commlib.STRATEGIES))
+    ap.add_argument("--windows", default="1,2,4,8",
+                    help="nonblocking windows (segments in flight) swept against thread")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed gloo")
     ap.add_argument("--out", default="bench_out", metavar="DIR",
                     help="folder for the JSON results and the plot (created; git-ignored)")
@@ -477,6 +480,14 @@ def _mib_list(text: str, option: str, allow_zero: bool) -> List[float]:
                          for v in values):
         raise _bad(option, f"comma-separated MiB {'>= 0' if allow_zero else '> 0'}", text)
     return values
+
+
+def _windows(text: str) -> List[int]:
+    """``"1,2,4,8"`` -> nonblocking windows, each checked like ``CommOptions.window``."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise _bad("--windows", "comma-separated ints in [1, 64]", text)
+    return list(dict.fromkeys(commlib.parse_window(x, "--windows") for x in items))
 
 
 def _exponents(text: str) -> range:
@@ -517,6 +528,7 @@ class Settings:
     size_sweep: Optional[List[int]]     # None: auto
     segments: List[int]
     strategies: List[str]
+    windows: List[int]
     iters: int
     warmup: int
     torch: bool
@@ -542,7 +554,8 @@ def settings(args: argparse.Namespace, nranks: int) -> Settings:
         size_sweep=(None if args.size_sweep == "auto"
                     else [1 << e for e in _exponents(args.size_sweep)]),
         segments=[int(x * MiB) for x in _mib_list(args.segments_mb, "--segments-mb", False)],
-        strategies=list(dict.fromkeys(strategies)), iters=args.iters, warmup=args.warmup,
+        strategies=list(dict.fromkeys(strategies)), windows=_windows(args.windows),
+        iters=args.iters, warmup=args.warmup,
         torch=not args.no_torch,
         json_path=base + ".json" if args.json is None else (args.json or None),
         png_path=base + ".png" if args.png is None else (args.png or None))
@@ -675,6 +688,28 @@ def measure_other_steps(b: Bench) -> None:
     del keep
 
 
+def measure_window_sweep(b: Bench) -> None:
+    """The ALL_REDUCE step, ``nonblocking`` at each window against ``thread``, in rounds
+    (ratios within one round: the machine's load drifts between rounds)."""
+    b.say("# nonblocking window sweep against thread (in rounds) ...")
+    fns: Dict[str, Callable[[], Any]] = {}
+    keep = []
+    thread = "ALL_REDUCE [thread]"
+    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        keep.append(b.buffers(HookAction.ALL_REDUCE, "thread"))
+        fns[thread] = (lambda bufs=keep[-1]: full_step(bufs, False))
+    for w in b.s.windows:
+        keep.append(b.buffers(HookAction.ALL_REDUCE, "nonblocking", window=w))
+        fns[f"ALL_REDUCE [nonblocking, window {w}]"] = (lambda bufs=keep[-1]: full_step(bufs, False))
+    timed = timeit_many(fns, b.comm, b.s.iters, b.s.warmup)
+    rows = [{"what": k, "window": (int(k.rsplit(" ", 1)[1][:-1]) if "window" in k else None),
+             "median_s": v["median_s"], "min_s": v["min_s"],
+             "x_thread": round_ratio(v, timed[thread]) if thread in timed else None}
+            for k, v in timed.items()]
+    b.res["window_sweep"] = rows
+    del keep
+
+
 def measure_size_sweep(b: Bench) -> None:
     """One buffer of each size: the raw floor, a naive Iallreduce and each Communicator."""
     b.say("# sweeping message sizes and fusion group sizes ...")
@@ -785,7 +820,8 @@ def measure_order(b: Bench) -> None:
 #: the measurements, in order; each fills its own keys of ``Bench.res``. A new sweep is one
 #: function here and one table in TABLES.
 MEASUREMENTS: List[Callable[[Bench], None]] = [
-    measure_meta, measure_allreduce_steps, measure_other_steps, measure_size_sweep,
+    measure_meta, measure_allreduce_steps, measure_other_steps, measure_window_sweep,
+    measure_size_sweep,
     measure_group_sweep, measure_overlap_and_add_grad, measure_memory, measure_order,
 ]
 
@@ -868,6 +904,15 @@ def table_raw(res: dict) -> tuple:
               _x_floor(v, res)] for k, v in res["raw"].items()])
 
 
+def table_window_sweep(res: dict) -> tuple:
+    return ("nonblocking window sweep (ALL_REDUCE full step; x thread: median over rounds of "
+            "the per-round ratio)",
+            ["step", "median ms", "min ms", "x thread"],
+            [[r["what"], _fmt_ms(r["median_s"]), _fmt_ms(r["min_s"]),
+              "-" if r["x_thread"] is None else f"{r['x_thread']:.2f}"]
+             for r in res.get("window_sweep", [])])
+
+
 def table_size_sweep(res: dict) -> tuple:
     sweep = res["size_sweep"]
     keys = [k for k in sweep[0] if k != "bytes"]
@@ -918,7 +963,7 @@ def table_targets(res: dict) -> tuple:
 
 #: the report's tables, in order: each takes ``res`` and gives (title, header, rows)
 TABLES: List[Callable[[dict], tuple]] = [
-    table_steps, table_raw, table_size_sweep, table_group_sweep, table_overlap, table_memory,
+    table_steps, table_raw, table_window_sweep, table_size_sweep, table_group_sweep, table_overlap, table_memory,
     table_order, table_targets,
 ]
 

@@ -1,0 +1,27 @@
+"""The nonblocking window sweep of ``mpifusion bench`` alone (GPT-2-small by default):
+``mpiexec -n 2 python benchmarks/bench_window.py --iters 7 [--windows 1,2,4,8]``.
+The ALL_REDUCE full step, ``thread`` and ``nonblocking`` at each window, timed in rounds."""
+import json
+import sys
+
+from mpi4py import MPI
+
+from mpifusion.tools import bench
+
+
+def main(argv):
+    args = bench.build_parser().parse_args(argv)
+    world = MPI.COMM_WORLD
+    b = bench.Bench(bench.settings(args, world.Get_size()), world, world.Dup())
+    bench.measure_meta(b)
+    bench.measure_window_sweep(b)
+    if b.rank == 0:
+        bench._print_table(*bench.table_window_sweep(b.res))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(b.res, fh, indent=1, default=str)
+    b.comm.Free()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""Pipelined collectives (``nonblocking`` with a window, ``thread``) against float64 numpy
+references computed here, at awkward sizes: a buffer smaller than one segment, segments that
+do not divide it, a window larger than the number of segments, window 1. Also the GPU
+staging pipeline driven by the real engine and MPI through a fake device.
+
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_mpi_window.py``.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifusion.comm import Communicator
+from mpifusion.comm import order as order_mod
+from mpifusion.comm.collectives import allreduce_steps
+from mpifusion.config import CommOptions
+from mpifusion.dtypes import bfloat16, float16, float32
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+WAYS = [("thread", 1), ("nonblocking", 1), ("nonblocking", 2), ("nonblocking", 3),
+        ("nonblocking", 8)]
+DTYPES = [float32, np.float64, float16, bfloat16]
+SEGMENT = 64  # bytes: 16 fp32 / 8 fp64 elements per segment (half: widened to fp32)
+SIZES = [1, 7, 100, 1001]  # below one segment, one, many not dividing, many
+
+
+def values(rank, numel, dtype):
+    """Multiples of 1/8 in [-8, 8): exact in every dtype, sums over <= 8 ranks exact in
+    fp32 (so only the final scale and rounding differ from the float64 reference)."""
+    rng = np.random.default_rng(1000 * rank + numel)
+    return (rng.integers(-64, 64, numel) / 8).astype(dtype)
+
+
+def expected(numel, dtype, size, scale):
+    total = np.sum([values(r, numel, dtype).astype(np.float64) for r in range(size)], axis=0)
+    if np.dtype(dtype) == np.float64:
+        return total * scale
+    # summed exactly, scaled in fp32, rounded once to the buffer's dtype
+    return (total.astype(np.float32) * np.float32(scale)).astype(dtype)
+
+
+def _comm(strategy, window):
+    if strategy == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("thread strategy needs MPI_THREAD_MULTIPLE")
+    return Communicator(MPI.COMM_WORLD, CommOptions(strategy=strategy, window=window,
+                                                    segment_bytes=SEGMENT))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", WAYS)
+def test_allreduce_and_reduce(strategy, window, dtype):
+    comm = _comm(strategy, window)
+    rank, size = comm.rank, comm.size
+    scale = 1.0 / size
+    dst = size - 1  # a non-zero root wherever there are two ranks
+    for numel in SIZES:
+        buf = values(rank, numel, dtype)
+        comm.allreduce(buf, scale=scale).wait(timeout=60)
+        np.testing.assert_array_equal(buf, expected(numel, dtype, size, scale),
+                                      err_msg=f"allreduce of {numel}")
+        buf = values(rank, numel, dtype)
+        comm.reduce(buf, root=dst, scale=scale).wait(timeout=60)
+        want = expected(numel, dtype, size, scale) if rank == dst else values(rank, numel, dtype)
+        np.testing.assert_array_equal(buf, want, err_msg=f"reduce of {numel} to {dst}")
+    comm.barrier()
+    assert repr(comm).endswith(f"window={window})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", WAYS)
+def test_reduce_scatter(strategy, window, dtype):
+    comm = _comm(strategy, window)
+    rank, size = comm.rank, comm.size
+    for shard in (1, 5, 37):  # pieces of SEGMENT // size elements: not dividing the shard
+        numel = shard * size
+        send = values(rank, numel, dtype)
+        recv = np.empty(shard, dtype)
+        comm.reduce_scatter(send, recv, scale=0.5).wait(timeout=60)
+        want = expected(numel, dtype, size, 0.5)[rank * shard:(rank + 1) * shard]
+        np.testing.assert_array_equal(recv, want, err_msg=f"shard of {shard}")
+        send = values(rank, numel, dtype)  # in place: the shard is this rank's part of send
+        comm.reduce_scatter(send, send[rank * shard:(rank + 1) * shard]).wait(timeout=60)
+        want = expected(numel, dtype, size, 1.0)[rank * shard:(rank + 1) * shard]
+        np.testing.assert_array_equal(send[rank * shard:(rank + 1) * shard], want)
+    comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", [float32, bfloat16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", WAYS)
+def test_staging_pipeline_through_the_engine(strategy, window, dtype):
+    """allreduce_steps with a (fake) staging device, run by the real engine and MPI."""
+    from tests.unit.test_pipeline import FakeDevice
+
+    comm = _comm(strategy, window)
+    rank, size = comm.rank, comm.size
+    for lazy in (True, False):
+        for numel in (7, 1001):
+            buf = values(rank, numel, dtype)
+            steps = allreduce_steps(buf, 1.0 / size, 16, None, rank, window=window,
+                                    device=FakeDevice(lazy))
+            task = comm._start(steps, (buf,), "staged allreduce",
+                               (order_mod.ALLREDUCE, numel, order_mod.dtype_code(buf.dtype), -1,
+                                -1, -1))
+            task.wait(timeout=60)
+            np.testing.assert_array_equal(buf, expected(numel, dtype, size, 1.0 / size))
+    comm.barrier()
+
+
+def test_window_disagreement_is_refused():
+    """Ranks built with different windows would pipeline differently: the agreement check
+    names the window."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        pytest.skip("needs two ranks")
+    from mpifusion.errors import AgreementError
+
+    with pytest.raises(AgreementError, match="window"):
+        Communicator(world, CommOptions(strategy="nonblocking", segment_bytes=SEGMENT,
+                                        window=2 if world.Get_rank() == 0 else 3, timeout=30))

@@ -1,0 +1,363 @@
+"""The pipelined paths without MPI: the nonblocking engine's window (fake requests), the GPU
+staging pipeline (a fake device that runs copies late or early and logs their order), the
+window option, and the one poll-with-backoff helper."""
+import collections
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mpifusion.arrays import staging
+from mpifusion.comm import poll as pollmod
+from mpifusion.comm.engines import _NonBlockingEngine
+from mpifusion.comm.task import FENCE, CommTask
+from mpifusion.config import MAX_WINDOW, WINDOW_ENV, CommOptions
+from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.errors import OptionError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --------------------------------------------------------------------------- options
+@pytest.mark.parametrize("bad", [0, -1, MAX_WINDOW + 1, 1.5, "x", True, None, "2.0"])
+def test_invalid_window_refused(bad):
+    with pytest.raises(OptionError) as info:
+        CommOptions(window=bad)
+    assert "window" in str(info.value) and f"[1, {MAX_WINDOW}]" in str(info.value)
+
+
+def test_window_from_env_names_the_variable():
+    assert CommOptions.from_env({WINDOW_ENV: "8"}).window == 8
+    assert CommOptions.from_env({WINDOW_ENV: "3"}, window=2).window == 2  # argument wins
+    with pytest.raises(OptionError, match=WINDOW_ENV):
+        CommOptions.from_env({WINDOW_ENV: "0"})
+
+
+# --------------------------------------------------------------------------- poll
+def test_poll_done_timeout_and_backoff():
+    calls = []
+    assert pollmod.poll(lambda: calls.append(1) or len(calls) >= 3)
+    assert len(calls) == 3
+    t0 = time.monotonic()
+    assert not pollmod.poll(lambda: False, timeout=0.05, cap=1e-3)
+    assert 0.04 < time.monotonic() - t0 < 2
+    assert not pollmod.poll(lambda: False, timeout=0)
+    b = pollmod.Backoff(1e-6, 8e-6)
+    assert [b.next() for _ in range(6)] == [1e-6, 2e-6, 4e-6, 8e-6, 8e-6, 8e-6]
+    b.reset()
+    assert b.next() == 1e-6
+
+
+# --------------------------------------------------------------------------- engine
+class FakeRequest:
+    def __init__(self, log, index):
+        self.log, self.index, self.done = log, index, False
+
+    def Test(self):
+        return self.done
+
+    def Wait(self):
+        self.done = True
+
+
+class FakeComm:
+    """Issues fake requests; the test decides when each completes."""
+
+    def __init__(self):
+        self.requests = []
+
+    def Get_rank(self):
+        return 0
+
+    def __getattr__(self, name):
+        if not name.startswith("I"):
+            raise AttributeError(name)
+
+        def issue(*args, **kwargs):
+            r = FakeRequest(self, len(self.requests))
+            self.requests.append((name, args, r))
+            return r
+        return issue
+
+
+def _steps(count, landed, fence_at=None):
+    for k in range(count):
+        if k == fence_at:
+            yield ("Barrier", (k,), {})
+        else:
+            yield ("Allreduce", (k,), {}, lambda k=k: landed.append(k))
+
+
+def _task(engine, steps, window):
+    task = CommTask(steps, engine, name="t")
+    task.window = window
+    return task
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 8])
+def test_engine_keeps_window_in_flight_and_lands_in_order(window):
+    comm = FakeComm()
+    engine = _NonBlockingEngine(comm, progress_thread=False)
+    landed = []
+    task = _task(engine, _steps(6, landed), window)
+    engine.submit(task)
+    assert len(comm.requests) == min(window, 6) and landed == []
+    # the second call completes first: nothing lands before the first did (issue order)
+    if window > 1:
+        comm.requests[1][2].done = True
+        engine.progress()
+        assert landed == [] and len(comm.requests) == min(window, 6)
+    issued = len(comm.requests)
+    while not task._finished():
+        pending = [r for _, _, r in comm.requests if not r.done]
+        assert len(pending) <= window
+        pending[0].done = True
+        engine.progress()
+        inflight = sum(not r.done for _, _, r in comm.requests)
+        assert inflight <= window
+        assert len(comm.requests) >= issued
+        issued = len(comm.requests)
+    assert landed == list(range(6)) and [a[0] for _, a, _ in comm.requests] == list(range(6))
+    task.wait()
+
+
+def test_fence_waits_for_everything_before_it():
+    comm = FakeComm()
+    engine = _NonBlockingEngine(comm, progress_thread=False)
+    landed = []
+    task = _task(engine, _steps(5, landed, fence_at=2), window=4)
+    engine.submit(task)
+    # calls 0, 1 pipelined, 2 is a fence: issued, but 3 waits until 0..2 all landed
+    assert [n for n, _, _ in comm.requests] == ["Iallreduce", "Iallreduce", "Ibarrier"]
+    for i in (2, 1):
+        comm.requests[i][2].done = True
+        engine.progress()
+        assert len(comm.requests) == 3
+    comm.requests[0][2].done = True
+    engine.progress()
+    assert landed == [0, 1] and len(comm.requests) == 5
+    for _, _, r in comm.requests:
+        r.done = True
+    task.wait(timeout=5)
+    assert landed == [0, 1, 3, 4]
+
+
+def test_landing_error_stops_issuing_and_drains():
+    comm = FakeComm()
+    engine = _NonBlockingEngine(comm, progress_thread=False)
+
+    def steps():
+        yield ("Allreduce", (0,), {}, lambda: 1 / 0)
+        for k in range(1, 5):
+            yield ("Allreduce", (k,), {}, None)
+    task = _task(engine, steps(), window=2)
+    engine.submit(task)
+    comm.requests[0][2].done = True
+    engine.progress()
+    assert len(comm.requests) == 2 and not task._finished()  # call 1 still in flight
+    comm.requests[1][2].done = True
+    engine.progress()
+    assert task._finished() and len(comm.requests) == 2
+    with pytest.raises(Exception, match="division"):
+        task.wait()
+
+
+def test_pause_is_a_fence_and_later_tasks_wait():
+    comm = FakeComm()
+    engine = _NonBlockingEngine(comm, progress_thread=False)
+    landed = []
+
+    def steps():
+        yield ("Allreduce", (0,), {}, lambda: landed.append(0))
+        yield FENCE
+        yield ("Allreduce", (1,), {}, lambda: landed.append(1))
+    first, second = _task(engine, steps(), 4), _task(engine, _steps(2, landed), 4)
+    engine.submit(first)
+    engine.submit(second)
+    assert len(comm.requests) == 1
+    comm.requests[0][2].done = True
+    engine.progress()
+    assert landed == [0] and len(comm.requests) == 2
+    comm.requests[1][2].done = True
+    engine.progress()
+    assert first._finished() and len(comm.requests) == 4  # the next task starts after
+    for _, _, r in comm.requests:
+        r.done = True
+    second.wait(timeout=5)
+    assert landed == [0, 1, 0, 1]
+
+
+def test_progress_thread_moves_without_the_caller():
+    from mpi4py import MPI
+
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("progress thread needs MPI_THREAD_MULTIPLE")
+    comm = FakeComm()
+    engine = _NonBlockingEngine(comm, progress_thread=True)
+    try:
+        landed = []
+        task = _task(engine, _steps(4, landed), window=2)
+        engine.submit(task)
+        deadline = time.monotonic() + 10
+        while not task._finished() and time.monotonic() < deadline:
+            for _, _, r in list(comm.requests):
+                r.done = True  # the "network" completes them; the caller never polls
+            time.sleep(1e-3)
+        assert task._finished() and landed == [0, 1, 2, 3]
+    finally:
+        engine.stop_thread()
+    assert not engine.thread.is_alive()
+
+
+# --------------------------------------------------------------------------- GPU staging
+class FakeEvent:
+    def __init__(self, name):
+        self.name, self.done = name, False
+
+
+class FakeDevice(staging.Device):
+    """numpy arrays as "device" memory; each copy is queued on its stream and runs only
+    when forced (``lazy``: a host wait, or a later op on the same stream / one waiting for
+    it) or at once (eager). Logs issue and run order. Missing waits then read stale data
+    (lazy), early slot reuse overwrites data still in MPI (eager)."""
+
+    def __init__(self, lazy):
+        self.lazy = lazy
+        self.log = []
+        self.streams = {"d2h": collections.deque(), "h2d": collections.deque()}
+        self.pinned_count = 0
+
+    def pinned(self, n, dtype):
+        self.pinned_count += 1
+        return np.full(n, np.nan, dtype)  # garbage until a copy lands
+
+    def scratch(self, n, dtype, like):
+        return np.full(n, np.nan, dtype)
+
+    def _queue(self, stream, name, fn, after=None):
+        ev = FakeEvent(name)
+        self.log.append(("issue", name))
+        self.streams[stream].append((ev, fn, after))
+        if not self.lazy:
+            self._run_until(ev, stream)
+        return ev
+
+    def _run_until(self, ev, stream=None):
+        if ev is None or ev.done:
+            return
+        streams = [stream] if stream else [s for s, q in self.streams.items()
+                                           if any(e is ev for e, _, _ in q)]
+        q = self.streams[streams[0]]
+        while not ev.done:
+            e, fn, after = q.popleft()
+            self._run_until(after)  # the stream waits for that event first
+            fn()
+            e.done = True
+            self.log.append(("run", e.name))
+
+    def to_host(self, part, host, work=None, after=None):
+        def run():
+            if work is not None:
+                work[...] = part.astype(np.float32)
+                host[...] = work
+            else:
+                host[...] = part
+        return self._queue("d2h", f"d2h@{id(host)}", run, after)
+
+    def to_device(self, host, part, work=None):
+        data = host  # read when the copy runs, not now
+
+        def run():
+            part[...] = data.astype(part.dtype) if work is None else data
+            if work is not None:
+                work[...] = data
+                part[...] = work.astype(part.dtype)
+        return self._queue("h2d", f"h2d@{id(part)}", run)
+
+    def wait(self, event):
+        self._run_until(event)
+        self.log.append(("wait", event.name))
+
+
+def _simulate(gens, window, on_issue):
+    """Run one generator per simulated rank in lock step like the nonblocking engine:
+    pipelined calls in flight up to ``window`` (completed oldest first), fences drained."""
+    inflight = [collections.deque() for _ in gens]
+    blocked = done = False
+
+    def complete_oldest():
+        calls = [q.popleft() for q in inflight]
+        # (IN_PLACE, [buf, type]) is reduced in place; ([buf, type], None) only sends
+        bufs = [(c[1][0][0] if isinstance(c[1][0], list) else c[1][1][0]) for c in calls]
+        total = np.sum([b.astype(np.float64) for b in bufs], axis=0)
+        for c, b in zip(calls, bufs):
+            if not isinstance(c[1][0], list):
+                b[...] = total
+        for c in calls:
+            if len(c) > 3 and c[3] is not None:
+                c[3]()
+
+    while True:
+        if inflight[0] and (blocked or done or len(inflight[0]) >= window):
+            complete_oldest()
+            continue
+        if done:
+            return
+        blocked = False
+        steps = [next(g, None) for g in gens]
+        if steps[0] is None:
+            done = True
+            continue
+        if steps[0][0] == "_pause":
+            blocked = True
+            continue
+        on_issue(steps[0])
+        for q, s in zip(inflight, steps):
+            q.append(s)
+        blocked = len(steps[0]) == 3
+
+
+def _fill(rng, n, dtype):
+    return (rng.integers(-64, 64, n) / 8).astype(dtype)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("dtype", [float32, np.float64, float16, bfloat16])
+@pytest.mark.parametrize("numel,seg,window", [(1000, 96, 1), (1000, 96, 3), (50, 96, 2),
+                                              (301, 100, 8), (17, 4, 2)])
+@pytest.mark.parametrize("root", [None, 1])
+def test_staging_pipeline_results_and_overlap(lazy, dtype, numel, seg, window, root):
+    from mpifusion.comm.collectives import allreduce_steps
+
+    nranks, rng = 3, np.random.default_rng(numel + seg)
+    data = [_fill(rng, numel, dtype) for _ in range(nranks)]
+    ref = np.sum([d.astype(np.float64) for d in data], axis=0) * np.float64(0.5)
+    devs = [FakeDevice(lazy) for _ in range(nranks)]
+    bufs = [d.copy() for d in data]
+    gens = [allreduce_steps(b, 0.5, seg, root, r, window=window, device=dv)
+            for r, (b, dv) in enumerate(zip(bufs, devs))]
+    issued = []
+    _simulate(gens, window, lambda step: issued.append(len(devs[0].log)))
+    for r, (b, d) in enumerate(zip(bufs, data)):
+        if root is None or r == root:
+            np.testing.assert_array_equal(b.astype(np.float64),
+                                          ref.astype(dtype).astype(np.float64))
+        else:
+            np.testing.assert_array_equal(b, d)  # a non-root rank's buffer is untouched
+    nseg = -(-numel // seg)
+    assert devs[0].pinned_count == min(window + 2, nseg)
+    log = devs[0].log
+    d2h = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("d2h")]
+    assert len(d2h) == nseg
+    for k in range(nseg - 1):
+        assert d2h[k + 1] < issued[k]  # the copy of k+1 was started before MPI got k
+    if root is None and nseg > 2:
+        h2d = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("h2d")]
+        assert len(h2d) == nseg
+        for k in range(nseg - window):  # k goes back before MPI gets k + window (no wait)
+            assert h2d[k] < issued[k + window]
+        if lazy:  # nothing waits for a copy back until the end
+            first_wait = min(i for i, e in enumerate(log)
+                             if e[0] == "wait" and e[1].startswith("h2d"))
+            assert first_wait > issued[-1]
