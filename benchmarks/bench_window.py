@@ -10,7 +10,15 @@ from mpifusion.tools import bench
 
 
 def main(argv):
-    args = bench.build_parser().parse_args(argv)
+    parser = bench.build_parser()
+    parser.add_argument("--progress-thread", choices=("auto", "off"), default="auto",
+                        help="off: no progress thread even at MPI_THREAD_MULTIPLE (progress "
+                        "from the caller and the library only; an experiment)")
+    args = parser.parse_args(argv)
+    if args.progress_thread == "off":
+        from mpifusion.comm import engines
+
+        engines._NonBlockingEngine.__init__.__defaults__ = ("", False)
     world = MPI.COMM_WORLD
     b = bench.Bench(bench.settings(args, world.Get_size()), world, world.Dup())
     bench.measure_meta(b)

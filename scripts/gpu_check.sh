@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with one GPU, in under 5 minutes: the cupy half of the backend,
-# memory and half-precision tests (serial and at 2 ranks sharing the GPU), then a GPU
-# benchmark of one gradient sync (staged through pinned host memory, and native when the
-# MPI is CUDA-aware) with the bytes each buffer holds. Needs cupy (pip install '.[cuda]').
+# memory, half-precision and pipeline tests (serial and at 2 ranks sharing the GPU), then a
+# GPU benchmark of one gradient sync (staged through pinned host memory, pipelined per
+# segment -- arrays/staging.py -- at windows 1, 2 and 4, against the old whole-buffer
+# staging cost; and native when the MPI is CUDA-aware) with the bytes each buffer holds.
+# Needs cupy (pip install '.[cuda]').
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -10,30 +12,36 @@ PYTHON=${PYTHON:-python3}
 MPIEXEC=${MPIEXEC:-mpiexec}
 "$PYTHON" -c "from mpifusion.arrays import cuda; assert cuda.gpu_available(), 'no cupy GPU'; \
 print('CUDA-aware MPI:', cuda.query_cuda_aware())"
-TESTS="tests/test_backends.py tests/test_memory.py tests/test_dlpack.py"
+TESTS="tests/unit/test_backends.py tests/unit/test_memory.py tests/unit/test_dlpack.py tests/unit/test_pipeline.py"
 echo "=== GPU tests, serial"
 timeout 120 "$PYTHON" -m pytest -q -rs $TESTS
 echo "=== GPU tests, 2 ranks"
-timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py -m pytest --only-mpi -q -rs tests/test_backends.py tests/test_mpi_half.py
-echo "=== GPU benchmark: one all-reduce sync of a 128 MiB fp32 buffer, 2 ranks"
+timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py -m pytest --only-mpi -q -rs tests/unit/test_backends.py tests/mpi/test_mpi_half.py tests/mpi/test_mpi_window.py
+echo "=== GPU benchmark: one all-reduce sync of 128 MiB of fp32 and of bf16 grads, 2 ranks"
 BENCH=$(mktemp --suffix=.py)
 trap 'rm -f "$BENCH"' EXIT
 cat > "$BENCH" <<'PY'
 import os, time
 import cupy as cp
 from mpi4py import MPI
-from mpifusion import FusedCommBuffer, Param
+from mpifusion import CommOptions, FusedCommBuffer, Param
 from mpifusion.arrays import cuda
 
 comm = MPI.COMM_WORLD
 cp.cuda.Device(comm.Get_rank() % cp.cuda.runtime.getDeviceCount()).use()
-shapes = [(4096, 4096)] * 2  # 2 x 64 MiB fp32
-modes = ["staged"] + (["native"] if cuda.query_cuda_aware() else [])
-for mode in modes:
+shapes = [(4096, 4096)] * 2  # 2 x 64 MiB fp32 (2 x 32 MiB bf16)
+ways = [("staged", "nonblocking", w) for w in (1, 2, 4)] + [("staged", "thread", 1)]
+if cuda.query_cuda_aware():
+    ways.append(("native", "thread", 1))
+
+
+def sync_ms(mode, strategy, window, dtype):
     os.environ[cuda.CUDA_AWARE_ENV] = "1" if mode == "native" else "0"
-    params = [Param(f"w{i}", cp.zeros(s, cp.float32)) for i, s in enumerate(shapes)]
-    buf = FusedCommBuffer(0, params, comm, act="all_reduce", fuse_param=True)
-    grads = [cp.ones(s, cp.float32) for s in shapes]
+    params = [Param(f"w{i}", cp.zeros(s, dtype)) for i, s in enumerate(shapes)]
+    opts = CommOptions(strategy=strategy, window=window, segment_bytes=8 << 20)
+    buf = FusedCommBuffer(0, params, comm, act="all_reduce", fuse_param=True,
+                          comm_options=opts)
+    grads = [cp.ones(s, dtype) for s in shapes]
     times = []
     for it in range(6):
         cuda.reset_staging_stats()
@@ -44,13 +52,44 @@ for mode in modes:
         buf.scale_grads()
         cp.cuda.Device().synchronize()
         times.append(time.perf_counter() - t0)
+        assert float(buf.grad_storage[0]) == 1.0, "wrong result"
         buf.grad_storage[...] = 0
+    return buf, 1e3 * min(times[1:])
+
+
+def copies_ms(dtype):
+    """What the old whole-buffer staging cost on top of MPI: one D2H and one H2D."""
+    x = cp.ones(2 * 4096 * 4096, dtype)
+    host = cp.cuda.alloc_pinned_memory(x.nbytes)
+    h = __import__("numpy").frombuffer(host, x.dtype, x.size)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    x.get(out=h)
+    x.set(h)
+    cp.cuda.Device().synchronize()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+for dtype in (cp.float32, "bfloat16"):
+    try:
+        dt = cp.dtype(dtype) if dtype != "bfloat16" else __import__("ml_dtypes").bfloat16
+        cp.zeros(1, dt)
+    except Exception as exc:  # cupy without bfloat16 arrays
+        if comm.Get_rank() == 0:
+            print(f"  {dtype}: skipped ({exc})")
+        continue
+    for mode, strategy, window in ways:
+        buf, ms = sync_ms(mode, strategy, window, dt)
+        if comm.Get_rank() == 0:
+            lay = buf.layout
+            pad = lay.padding * buf.grad_storage.itemsize
+            print(f"{cp.dtype(dt).name if dtype != 'bfloat16' else 'bf16':>8} {mode:>6} "
+                  f"{strategy:>11} window {window}: {ms:8.2f} ms/sync (best of 5), "
+                  f"grads {buf.grad_storage.nbytes - pad} B + padding {pad} B, pinned staging "
+                  f"{cuda.staging_stats['pinned_bytes']} B/step")
     if comm.Get_rank() == 0:
-        lay = buf.layout
-        pad = lay.padding * 4
-        print(f"{mode:>6}: {1e3 * min(times[1:]):8.2f} ms/sync (best of 5), "
-              f"params {buf.param_storage.nbytes - pad} B + grads {buf.grad_storage.nbytes - pad} B "
-              f"+ padding 2x{pad} B, pinned staging {cuda.staging_stats['pinned_bytes']} B/step")
+        print(f"  one D2H + one H2D of the whole buffer ({dtype}): {copies_ms(dt):.2f} ms "
+              f"(what whole-buffer staging added; the pipeline hides most of it)")
 PY
 timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py "$BENCH"
 echo "GPU checks passed"

@@ -703,7 +703,7 @@ def measure_window_sweep(b: Bench) -> None:
         fns[f"ALL_REDUCE [nonblocking, window {w}]"] = (lambda bufs=keep[-1]: full_step(bufs, False))
     timed = timeit_many(fns, b.comm, b.s.iters, b.s.warmup)
     rows = [{"what": k, "window": (int(k.rsplit(" ", 1)[1][:-1]) if "window" in k else None),
-             "median_s": v["median_s"], "min_s": v["min_s"],
+             "median_s": v["median_s"], "min_s": v["min_s"], "times_s": v["times_s"],
              "x_thread": round_ratio(v, timed[thread]) if thread in timed else None}
             for k, v in timed.items()]
     b.res["window_sweep"] = rows
