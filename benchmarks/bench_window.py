@@ -14,7 +14,14 @@ def main(argv):
     parser.add_argument("--progress-thread", choices=("auto", "off"), default="auto",
                         help="off: no progress thread even at MPI_THREAD_MULTIPLE (progress "
                         "from the caller and the library only; an experiment)")
+    parser.add_argument("--segment-mb", type=float, default=None,
+                        help="segment size of every strategy (default: the machine's)")
     args = parser.parse_args(argv)
+    if args.segment_mb is not None:
+        import functools
+
+        bench.CommOptions = functools.partial(bench.CommOptions,
+                                              segment_bytes=int(args.segment_mb * (1 << 20)))
     if args.progress_thread == "off":
         from mpifusion.comm import engines
 

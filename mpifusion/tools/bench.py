@@ -123,7 +123,7 @@ def build_buffers(params: Sequence[Param], act: HookAction, group_bytes: int, co
     groups = assign_group_by_size(list(params), group_size=group_bytes)
     dst = 0 if act == HookAction.REDUCE else -1
     options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True),
-                          window=kwargs.pop("window", None) or CommOptions.window)
+                          window=kwargs.pop("window", None) or commlib.DEFAULT_WINDOW)
     buffers = [FusedCommBuffer(i, plist, comm, act=act, dst=dst, comm_options=options, **kwargs)
                for i, plist in groups.items()]
     for b in buffers:  # real pages with real values, as after a backward pass
@@ -690,7 +690,8 @@ def measure_other_steps(b: Bench) -> None:
 
 def measure_window_sweep(b: Bench) -> None:
     """The ALL_REDUCE step, ``nonblocking`` at each window against ``thread``, in rounds
-    (ratios within one round: the machine's load drifts between rounds)."""
+    (ratios within one round: the machine's load drifts between rounds), with the raw
+    blocking and non-blocking segmented all-reduce of the same bytes (no 1/n)."""
     b.say("# nonblocking window sweep against thread (in rounds) ...")
     fns: Dict[str, Callable[[], Any]] = {}
     keep = []
@@ -700,9 +701,18 @@ def measure_window_sweep(b: Bench) -> None:
         fns[thread] = (lambda bufs=keep[-1]: full_step(bufs, False))
     for w in b.s.windows:
         keep.append(b.buffers(HookAction.ALL_REDUCE, "nonblocking", window=w))
-        fns[f"ALL_REDUCE [nonblocking, window {w}]"] = (lambda bufs=keep[-1]: full_step(bufs, False))
+        fns[f"ALL_REDUCE [nonblocking, window {w}]"] = (
+            lambda bufs=keep[-1]: full_step(bufs, False))
+    # the library's own floors: the same bytes in the same segments, blocking and all
+    # non-blocking at once (what any nonblocking window can at best reach)
+    flat = np.ones(grad_bytes(keep[-1]) // 4, np.float32)
+    seg = max(1, _default_segment() // 4)
+    fns["raw Allreduce, blocking segments"] = lambda: _raw_best(b.comm, flat, seg * 4)
+    fns["raw Iallreduce, all segments in flight, Waitall"] = lambda: MPI.Request.Waitall(
+        [b.comm.Iallreduce(MPI.IN_PLACE, [flat[i:i + seg], MPI.FLOAT])
+         for i in range(0, flat.size, seg)])
     timed = timeit_many(fns, b.comm, b.s.iters, b.s.warmup)
-    rows = [{"what": k, "window": (int(k.rsplit(" ", 1)[1][:-1]) if "window" in k else None),
+    rows = [{"what": k, "window": (int(k.rsplit(" ", 1)[1][:-1]) if "window " in k else None),
              "median_s": v["median_s"], "min_s": v["min_s"], "times_s": v["times_s"],
              "x_thread": round_ratio(v, timed[thread]) if thread in timed else None}
             for k, v in timed.items()]
