@@ -2,7 +2,6 @@
 staging pipeline (a fake device that runs copies late or early and logs their order), the
 window option, and the one poll-with-backoff helper."""
 import collections
-import threading
 import time
 
 import numpy as np
