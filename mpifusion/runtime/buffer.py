@@ -302,10 +302,11 @@ class FusedCommBuffer(ShardedParams):
         try:
             task.wait(self.timeout)
         except CommTimeoutError:
+            # the grads' check-in state says nothing about an all-gather of the params
+            here = "" if what == "sync_params" else f"; {self._checked_in_text()} on this rank"
             raise CommTimeoutError(
                 f"{self._where()}: {what} (step {self._step}, action {self._act.name}) did not "
-                f"complete within {self.timeout:g} s; {self._checked_in_text()} on this rank"
-                f"{self._late_ranks(seq)}. The collective is still pending: call wait() to "
+                f"complete within {self.timeout:g} s{here}{self._late_ranks(seq)}. The collective is still pending: call wait() to "
                 f"keep waiting, or let the error abort the job (run under python -m mpi4py)"
                 ) from None
         except MPI.Exception as exc:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..arrays import backend
 from ..comm import CommTask
-from ..errors import GradError, LayoutError, StateError
+from ..errors import CommError, GradError, LayoutError, StateError
 from ..plan.actions import HookAction
 from .param import Param
 

@@ -310,13 +310,17 @@ def sync_deadline():
     if rank == 1:
         time.sleep(20 * float(os.environ["MPIFUSION_TIMEOUT"]))
         os._exit(0)
-    task = buf.sync_params(sync=False)
     start = time.monotonic()
     try:
-        task.wait()
+        if os.environ.get("MPIFUSION_TEST_SYNC") == "1":  # the blocking form
+            buf.sync_params(sync=True)
+        else:
+            buf.sync_params(sync=False).wait()
         say("sync: WRONG: completed")
     except CommTimeoutError as exc:
         say(f"sync: timed out after {time.monotonic() - start:.1f} s: {exc}")
+        if buf.sync_param_task is None or buf.sync_param_task.is_completed():
+            say("sync: WRONG: no pending sync_param_task after the timeout")
     others.Barrier()  # every waiting rank has printed before the first one exits
     os._exit(0)
 

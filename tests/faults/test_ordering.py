@@ -87,14 +87,17 @@ def test_abandoned_collective_never_pairs(nranks, strategy):
         assert "gave up a collective" in late[0][1], late
 
 
+@pytest.mark.parametrize("blocking", (False, True), ids=("sync=False", "sync=True"))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("nranks", (2, 3, 8))
-def test_sync_params_task_keeps_deadline(nranks, strategy):
-    rc, out = _job(nranks, "sync", strategy, env={"MPIFUSION_TIMEOUT": "1.5"})
+def test_sync_params_task_keeps_deadline(nranks, strategy, blocking):
+    rc, out = _job(nranks, "sync", strategy, env={"MPIFUSION_TIMEOUT": "1.5",
+                                                   "MPIFUSION_TEST_SYNC": str(int(blocking))})
     assert "WRONG" not in out, out[-4000:]
     for r in [0] + list(range(2, nranks)):
-        m = re.search(rf"rank {r}: sync: timed out after ([0-9.]+) s: .*sync_params did not "
-                      rf"complete within 1.5 s", out)
+        m = re.search(rf"rank {r}: sync: timed out after ([0-9.]+) s: .*sync_params "
+                      rf"(\(step 0, action REDUCE_SCATTER\) )?did not complete within 1.5 s",
+                      out)
         assert m, out[-4000:]
         assert float(m.group(1)) < 15, out  # the deadline, not the 30 s the other rank sleeps
 
