@@ -25,7 +25,7 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import OracleMismatch
 from ..plan.grouping import grad_dtype_for
-from .bound import ErrorStats, ReferenceSum, as_float64, bound_model, error_bound, format_ratio
+from .bound import ErrorStats, ReferenceSum, bound_model, error_bound, format_ratio
 from .dumps import DumpError, _array, _open_npz, _rank_files
 
 
@@ -224,7 +224,7 @@ class CheckReport:
             out.append(f"{'GAP' if c.fails else 'note'}: {c}")
         if self.sync:
             width = max(len("param"), *(len(s.name) for s in self.sync))
-            out.append(f"sync_params (all-gather, bit-exact):")
+            out.append("sync_params (all-gather, bit-exact):")
             out.append(f"{'param':<{width}}  {'elements':>10}  {'differ':>8}  ranks")
             for s in self.sync:
                 ranks = ", ".join(map(str, s.ranks)) or "-"
