@@ -459,6 +459,7 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
     if not has_inputs and not has_sync:
         raise DumpError(f"{labels[0]}: no in/{{name}}/{{k}} (gradients) nor shard/ and param/ "
                         f"(all-gather) keys: nothing to check")
+    _check_keys(spec, acc, labels, keys)
     slices = _PaddleSlices(spec, nranks)
     report = CheckReport([], {}, spec=spec, source=source, reduce_avg=reduce_avg)
     for p in spec.fused_params():
@@ -469,6 +470,43 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
         if any(f"shard/{p.name}" in ks or f"param/{p.name}" in ks for ks in keys):
             _check_gather(report, p, act, labels, files, ranges, slices)
     return report
+
+
+#: key prefixes of the dump format; keys under other prefixes are the dumper's own
+_PREFIXES = ("in", "out", "range", "shard", "param")
+
+
+def _check_keys(spec: Any, acc: int, labels: list, keys: list) -> None:
+    """Every key of the dump format must be one the spec expects: ``in/{name}/{k}`` with
+    ``0 <= k < acc_steps`` and ``out/``, ``range/``, ``shard/``, ``param/`` of a spec param.
+    A micro-step beyond ``acc_steps`` would otherwise be left out of the reference, so an
+    implementation that dropped it would pass; a param the spec lacks would go unchecked."""
+    names = {p.name for p in spec.params}
+    fused = {p.name for p in spec.fused_params()}
+    for lab, ks in zip(labels, keys):
+        for key in sorted(ks):
+            prefix, sep, rest = key.partition("/")
+            if not sep or prefix not in _PREFIXES:
+                continue
+            name = rest
+            if prefix == "in":
+                name, sep, k = rest.rpartition("/")
+                if not sep or not name:
+                    raise DumpError(f"{lab}: {key}: expected in/{{name}}/{{k}} (k the "
+                                    f"micro-step, 0 .. acc_steps-1)")
+            if name not in names:
+                shown = ", ".join(sorted(names)[:8]) + (" ..." if len(names) > 8 else "")
+                raise DumpError(f"{lab}: {key}: no param {name!r} in the spec (its params: "
+                                f"{shown}); give the spec every param the dump holds")
+            if prefix == "in" and name in fused:
+                if not (k.isdigit() and str(int(k)) == k):
+                    raise DumpError(f"{lab}: {key}: micro-step {k!r}: expected an int k in "
+                                    f"0 .. {acc - 1} (in/{name}/0 .. in/{name}/{acc - 1})")
+                if int(k) >= acc:
+                    raise DumpError(f"{lab}: {key}: micro-step {k}, but the spec says "
+                                    f"acc_steps={acc} (expected in/{name}/0 .. "
+                                    f"in/{name}/{acc - 1}); a micro-step the spec leaves out "
+                                    f"would not be in the reference")
 
 
 def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, act: str,

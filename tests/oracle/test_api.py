@@ -324,6 +324,46 @@ def test_bad_input_is_one_line_naming_rank_and_key():
         check(spec, [{"range/w": np.array([0, 21]), "shard/w": np.zeros(21, np.float32)}, {}])
 
 
+def test_keys_the_spec_does_not_expect_are_bad_input(tmp_path, capsys):
+    """A micro-step beyond acc_steps (or a param the spec lacks) would be left out of the
+    reference: an implementation that dropped that micro-step would pass. Bad input instead,
+    from memory, from files and on the command line."""
+    from tests.helpers import run_cli
+
+    nranks, acc = 2, 2
+    grads = _grads(nranks, acc + 1, seed=5)  # three micro-steps recorded
+    dropped = _fp32_result([{n: xs[:acc] for n, xs in g.items()} for g in grads], True)
+    dumps = [{**_inputs(g), **{f"out/{n}": dropped[n] for n in SHAPES}} for g in grads]
+    spec = _spec(nranks, act="all_reduce", acc=acc)
+    with pytest.raises(DumpError, match=r"^rank 0 \(in memory\): in/(\w+)/2: micro-step 2, but "
+                       r"the spec says acc_steps=2 \(expected in/\1/0 \.\. in/\1/1\)"):
+        check(spec, dumps)
+    # the right spec: the implementation that dropped micro-step 2 fails naming the params
+    report = check(_spec(nranks, act="all_reduce", acc=acc + 1), dumps)
+    assert not report.ok and set(report.failing) == set(SHAPES)
+    good = [{**_inputs({n: xs[:acc] for n, xs in g.items()}), **{f"out/{n}": dropped[n]
+             for n in SHAPES}} for g in grads]
+    assert check(spec, good).ok
+    for key, why in [("in/extra/0", r"no param 'extra' in the spec"),
+                     ("out/extra", r"no param 'extra' in the spec"),
+                     ("range/extra", r"no param 'extra' in the spec"),
+                     ("in/emb/x", r"micro-step 'x'"), ("in/emb/01", r"micro-step '01'"),
+                     ("in/emb", r"expected in/\{name\}/\{k\}")]:
+        bad = [dict(d) for d in good]
+        bad[1][key] = np.zeros(3, np.float32)
+        with pytest.raises(DumpError, match=rf"^rank 1 \(in memory\): {key}: .*{why}"):
+            check(spec, bad)
+    good[0]["meta/note"] = np.zeros(1)  # other prefixes are the dumper's business
+    assert check(spec, good).ok
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    for r, d in enumerate(dumps):
+        np.savez(tmp_path / f"rank{r}.npz", **d)
+    code, out, err = run_cli(capsys, "check", "--spec", str(spec_path), str(tmp_path))
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and "rank0.npz: in/b/2: micro-step 2, but the spec" in err, err
+
+
 def test_pytest_plugin_fixture_fails_a_test_naming_the_param(tmp_path):
     test = tmp_path / "test_peer.py"
     test.write_text(textwrap.dedent("""
