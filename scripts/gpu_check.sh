@@ -3,7 +3,8 @@
 # memory, half-precision and pipeline tests (serial and at 2 ranks sharing the GPU), then a
 # GPU benchmark of one gradient sync (staged through pinned host memory, pipelined per
 # segment -- arrays/staging.py -- at windows 1, 2 and 4, against the old whole-buffer
-# staging cost; and native when the MPI is CUDA-aware) with the bytes each buffer holds.
+# staging cost; and native when the MPI is CUDA-aware) with the bytes each buffer holds, and
+# the staged in-place reduce-scatter and allgather (rounds through the same pipeline).
 # Needs cupy (pip install '.[cuda]').
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,34 @@ def sync_ms(mode, strategy, window, dtype):
     return buf, 1e3 * min(times[1:])
 
 
+def sharded_ms(strategy, window, dtype):
+    """Staged in-place reduce-scatter then allgather of the same 128 MiB (fp32) buffer, in
+    rounds through the pipeline (packed/widened on the device): ms of each, best of 5."""
+    from mpifusion.comm import Communicator
+
+    os.environ[cuda.CUDA_AWARE_ENV] = "0"
+    c = Communicator(comm, CommOptions(strategy=strategy, window=window,
+                                       segment_bytes=8 << 20))
+    size, rank = comm.Get_size(), comm.Get_rank()
+    buf = cp.ones(2 * 4096 * 4096, dtype)
+    shard = buf.size // size
+    rs, ag = [], []
+    for it in range(6):
+        buf[...] = 1
+        cp.cuda.Device().synchronize()
+        cuda.reset_staging_stats()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        c.reduce_scatter(buf, buf[rank * shard:(rank + 1) * shard], scale=1.0 / size).wait()
+        t1 = time.perf_counter()
+        c.allgather_inplace(buf).wait()
+        t2 = time.perf_counter()
+        rs.append(t1 - t0)
+        ag.append(t2 - t1)
+        assert float(buf[0]) == 1.0 and float(buf[-1]) == 1.0, "wrong result"
+    return 1e3 * min(rs[1:]), 1e3 * min(ag[1:])
+
+
 def copies_ms(dtype):
     """What the old whole-buffer staging cost on top of MPI: one D2H and one H2D."""
     x = cp.ones(2 * 4096 * 4096, dtype)
@@ -87,9 +116,17 @@ for dtype in (cp.float32, "bfloat16"):
                   f"{strategy:>11} window {window}: {ms:8.2f} ms/sync (best of 5), "
                   f"grads {buf.grad_storage.nbytes - pad} B + padding {pad} B, pinned staging "
                   f"{cuda.staging_stats['pinned_bytes']} B/step")
+    for strategy, window in [("nonblocking", 1), ("nonblocking", 2), ("nonblocking", 4),
+                             ("thread", 1)]:
+        rs_ms, ag_ms = sharded_ms(strategy, window, dt)
+        if comm.Get_rank() == 0:
+            print(f"{cp.dtype(dt).name if dtype != 'bfloat16' else 'bf16':>8} staged "
+                  f"{strategy:>11} window {window}: reduce-scatter {rs_ms:8.2f} ms, allgather "
+                  f"{ag_ms:8.2f} ms (best of 5), pinned staging "
+                  f"{cuda.staging_stats['pinned_bytes']} B")
     if comm.Get_rank() == 0:
         print(f"  one D2H + one H2D of the whole buffer ({dtype}): {copies_ms(dt):.2f} ms "
               f"(what whole-buffer staging added; the pipeline hides most of it)")
 PY
-timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py "$BENCH"
+timeout 180 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py "$BENCH"
 echo "GPU checks passed"

@@ -7,11 +7,15 @@ blocking method (``task.Call`` has the rules); the engine decides whether to run
 in issue order: that is where each reduced segment is scaled (and rounded back, for half
 precision) while it is still in cache. Scratch that a pipelined call reads or writes comes
 from a ring of ``window`` slots (``_ring``), reused only after its call landed.
+
+A device buffer on an MPI that is not CUDA-aware goes through ``staging.StagedSegments``
+for every collective: allreduce/reduce by segment, reduce-scatter and in-place allgather in
+rounds of piece ``k`` of every rank's shard (``_pieces``); no collective stages a whole buffer.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -29,14 +33,6 @@ def _spec(arr: Any) -> list:
     return [arr, _MPI_TYPES[arr.dtype.char]]
 
 
-def _on_host(buf: Any) -> Tuple[Any, bool]:
-    """(array MPI may read, staged?): device buffers go through pinned host memory when the
-    MPI is not CUDA-aware (whole: the collectives that are not segmented)."""
-    if _staged(buf):
-        return cuda.stage(buf), True
-    return buf, False
-
-
 def _staged(buf: Any) -> bool:
     return backend.is_cupy(buf) and not cuda.is_cuda_aware()
 
@@ -50,7 +46,8 @@ def _ring(slots: int, n: int, dtype: Any, like: Any) -> list:
 
 class _HostSegments:
     """The segments of an array MPI can read: fp32/fp64 in place, half precision widened
-    into a ring of ``window`` fp32 slots. Same interface as ``staging.StagedSegments``."""
+    into a ring of ``window`` fp32 slots. Same interface as ``staging.StagedSegments``
+    (in place: no receive array)."""
 
     def __init__(self, flat: Any, seg: int, window: int, scale: Optional[float],
                  lands: bool) -> None:
@@ -59,7 +56,7 @@ class _HostSegments:
         self.work = (_ring(min(window, count), min(seg, flat.size), float32, flat)
                      if flat.dtype in HALF else None)
 
-    def segments(self) -> Iterator[Tuple[Any, Any]]:
+    def segments(self) -> Iterator[Tuple[Any, None, Any]]:
         flat, seg, work = self.flat, self.seg, self.work
         for k, start in enumerate(range(0, flat.size, seg)):
             part = flat[start:start + seg]
@@ -72,7 +69,7 @@ class _HostSegments:
             land = None
             if self.lands and (self.scale is not None or work is not None):
                 land = partial(_land, w, self.scale, part if work is not None else None)
-            yield w, land
+            yield w, None, land
 
     def finish(self) -> None:
         pass
@@ -96,11 +93,11 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     flat = buf.reshape(-1)
     lands = root is None or root == rank
     if device is not None or _staged(flat):
-        source: Any = StagedSegments(flat, seg, window, scale if lands else None, lands,
-                                     device or CupyDevice(flat))
+        source: Any = StagedSegments.of_buffer(flat, seg, window, scale if lands else None,
+                                               lands, device or CupyDevice(flat))
     else:
         source = _HostSegments(flat, seg, window, scale, lands)
-    for w, land in source.segments():
+    for w, _recv, land in source.segments():
         if root is None:
             yield ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
         elif lands:
@@ -113,17 +110,42 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     cuda.synchronize(buf)
 
 
+def _pieces(flat: Any, seg: int, nranks: int) -> Tuple[Any, int, Callable[[int], slice]]:
+    """``flat`` as one row per rank's shard, the number of rounds, and round ``k``'s columns:
+    piece ``k`` of every shard, ``nranks`` pieces making at most ``seg`` elements (at least
+    one element per piece)."""
+    shard = flat.size // nranks
+    piece = max(1, min(seg // nranks, shard))
+
+    def columns(k: int) -> slice:
+        return slice(k * piece, min((k + 1) * piece, shard))
+
+    return flat.reshape(nranks, shard), -(-shard // piece), columns
+
+
 def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg: int,
-                          nranks: int, rank: int, window: int = 1) -> Steps:
+                          nranks: int, rank: int, window: int = 1,
+                          device: Optional[Device] = None) -> Steps:
     """Reduce-scatter in rounds: round k packs piece k of every rank's shard (widened to fp32
     for half precision) into a scratch slot, reduce-scatters it, and lands this rank's piece;
     up to ``window`` rounds in flight. Scratch memory: ``window`` x (nranks + 1) pieces,
-    whatever the buffer size; aliasing is allowed."""
-    send, staged = _on_host(sendbuf.reshape(-1))
-    recv_dev = recvbuf.reshape(-1)
-    # staged: land in host memory, copied to the device once at the end
-    recv = np.empty(recv_dev.size, recv_dev.dtype) if staged else recv_dev
+    whatever the buffer size; aliasing is allowed. A device buffer on an MPI that is not
+    CUDA-aware (or any buffer, given a staging ``device``) runs the same rounds through
+    ``staging.StagedSegments``: packed and widened on the device, its copies overlapping
+    the reduction of other rounds."""
+    send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
     shard = recv.size
+    if device is not None or _staged(send):
+        grid, count, columns = _pieces(send, seg, nranks)
+        staged = StagedSegments(count, lambda k: grid[:, columns(k)],
+                                lambda k: recv[columns(k)], window, scale,
+                                device or CupyDevice(send))
+        for w, r, land in staged.segments():
+            yield ("Reduce_scatter_block", (_spec(w), _spec(r)), {"op": MPI.SUM}, land)
+        yield FENCE  # every round landed (its copy back was started)
+        staged.finish()
+        cuda.synchronize(recvbuf)
+        return
     if send.dtype not in HALF and seg >= send.size:
         # one call, zero-copy; MPI forbids aliasing, so an in-place shard lands via a copy
         direct = recv if not _overlaps(send, recv) else backend.empty(shard, recv.dtype, recv)
@@ -132,32 +154,28 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
             backend.scale_(direct, scale)
         if direct is not recv:
             recv[...] = direct
-        if staged:
-            cuda.unstage(recv, recv_dev)
         cuda.synchronize(recvbuf)
         return
-    piece = max(1, min(seg // nranks, shard))
     half = send.dtype in HALF
     wdtype = float32 if half else send.dtype
-    slots = min(window, -(-shard // piece))
+    grid, count, columns = _pieces(send, seg, nranks)
+    piece = columns(0).stop
+    slots = min(window, count)
     packs = _ring(slots, nranks * piece, wdtype, send)
     outs = _ring(slots, piece, wdtype, send)
-    grid = send.reshape(nranks, shard)
-    for k, start in enumerate(range(0, shard, piece)):
-        n = min(piece, shard - start)
+    for k in range(count):
+        where = columns(k)
+        n = where.stop - where.start
         block = packs[k % slots][:nranks * n].reshape(nranks, n)
         if not half:
-            block[...] = grid[:, start:start + n]
+            block[...] = grid[:, where]
         else:  # half: widen row by row (each row is contiguous)
             for r in range(nranks):
-                halfcast.widen(grid[r, start:start + n], block[r])
+                halfcast.widen(grid[r, where], block[r])
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
         o = outs[k % slots][:n]
         yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM},
-               partial(_land_piece, o, scale, recv[start:start + n]))
-    if staged:
-        yield FENCE
-        cuda.unstage(recv, recv_dev)
+               partial(_land_piece, o, scale, recv[where]))
     cuda.synchronize(recvbuf)
 
 
@@ -171,13 +189,27 @@ def _land_piece(o: Any, scale: Optional[float], out: Any) -> None:
         halfcast.narrow(o, out)
 
 
-def allgather_steps(buf: Any) -> Steps:
-    """In-place allgather of raw bytes: no arithmetic, so any dtype moves as it is."""
-    flat, staged = _on_host(buf.reshape(-1))
-    raw = flat.view(np.uint8)
-    yield ("Allgather", (MPI.IN_PLACE, [raw, MPI.BYTE]), {})
-    if staged:
-        cuda.unstage(flat, buf.reshape(-1))
+def allgather_steps(buf: Any, seg: int = 1 << 62, nranks: int = 1, rank: int = 0,
+                    window: int = 1, device: Optional[Device] = None) -> Steps:
+    """In-place allgather of raw bytes: no arithmetic, so any dtype moves as it is. One
+    ``Allgather`` of the whole buffer where MPI can read it; a device buffer on an MPI that is
+    not CUDA-aware (or any buffer, given a staging ``device``) goes in rounds through
+    ``staging.StagedSegments``: round k sends piece k of this rank's shard and gathers piece
+    k of every shard (``nranks`` pieces of at most ``seg`` elements in all), so each round is
+    one plain ``Allgather`` and its copies overlap the other rounds' MPI."""
+    flat = buf.reshape(-1)
+    if device is not None or _staged(flat):
+        grid, count, columns = _pieces(flat, seg, nranks)
+        staged = StagedSegments(count, lambda k: grid[rank, columns(k)],
+                                lambda k: grid[:, columns(k)], window, None,
+                                device or CupyDevice(flat), widen=False)
+        for w, r, land in staged.segments():
+            yield ("Allgather", ([w.view(np.uint8), MPI.BYTE], [r.view(np.uint8), MPI.BYTE]),
+                   {}, land)
+        yield FENCE  # every round landed (its copy back was started)
+        staged.finish()
+    else:
+        yield ("Allgather", (MPI.IN_PLACE, [flat.view(np.uint8), MPI.BYTE]), {})
     cuda.synchronize(buf)
 
 

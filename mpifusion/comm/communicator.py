@@ -286,7 +286,9 @@ class Communicator:
             raise OptionError(f"rank {self.rank}: {name}: expected a buffer that splits evenly "
                             f"over {self.size} ranks, got {buf.size} elements")
         cuda.synchronize(buf)
-        return self._start(allgather_steps(buf), (buf,), name,
+        steps = allgather_steps(buf, self._segment(buf.dtype), self.size, self.rank,
+                                window=self.window)
+        return self._start(steps, (buf,), name,
                            (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 
     def poll(self) -> None:

@@ -1,7 +1,8 @@
 """Pipelined collectives (``nonblocking`` with a window, ``thread``) against float64 numpy
 references computed here, at awkward sizes: a buffer smaller than one segment, segments that
 do not divide it, a window larger than the number of segments, window 1. Also the GPU
-staging pipeline driven by the real engine and MPI through a fake device.
+staging pipeline (allreduce, reduce-scatter, allgather) driven by the real engine and MPI
+through a fake device.
 
 Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_mpi_window.py``.
 """
@@ -11,7 +12,7 @@ from mpi4py import MPI
 
 from mpifusion.comm import Communicator
 from mpifusion.comm import order as order_mod
-from mpifusion.comm.collectives import allreduce_steps
+from mpifusion.comm.collectives import allgather_steps, allreduce_steps, reduce_scatter_steps
 from mpifusion.config import CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 
@@ -103,6 +104,63 @@ def test_staging_pipeline_through_the_engine(strategy, window, dtype):
                                 -1, -1))
             task.wait(timeout=60)
             np.testing.assert_array_equal(buf, expected(numel, dtype, size, 1.0 / size))
+    comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", WAYS)
+def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
+    """reduce_scatter_steps with a (fake) staging device -- rounds packed and widened on the
+    device, Reduce_scatter_block on host slots -- run by the real engine and MPI, into a
+    separate shard and in place."""
+    from tests.unit.test_pipeline import FakeDevice
+
+    comm = _comm(strategy, window)
+    rank, size = comm.rank, comm.size
+    for lazy in (True, False):
+        for shard in (1, 5, 37):  # pieces of 16 // size elements: not dividing the shard
+            for inplace in (False, True):
+                numel = shard * size
+                send = values(rank, numel, dtype)
+                recv = send[rank * shard:(rank + 1) * shard] if inplace else np.empty(shard, dtype)
+                steps = reduce_scatter_steps(send, recv, 0.5, 16, size, rank, window=window,
+                                             device=FakeDevice(lazy))
+                task = comm._start(steps, (send, recv), "staged reduce_scatter",
+                                   (order_mod.REDUCE_SCATTER, numel,
+                                    order_mod.dtype_code(send.dtype), -1, -1, -1))
+                task.wait(timeout=60)
+                want = expected(numel, dtype, size, 0.5)[rank * shard:(rank + 1) * shard]
+                np.testing.assert_array_equal(recv, want, err_msg=f"shard of {shard}, "
+                                              f"lazy={lazy}, in place={inplace}")
+    comm.barrier()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", WAYS)
+def test_allgather_staged_and_whole(strategy, window, dtype):
+    """In-place allgather: through a (fake) staging device in rounds (one Allgather per
+    round, pipelined) and whole through the communicator; raw bytes, NaN and -0 included."""
+    from tests.unit.test_pipeline import FakeDevice
+
+    comm = _comm(strategy, window)
+    rank, size = comm.rank, comm.size
+    for shard in (1, 5, 37):
+        numel = shard * size
+        want = np.concatenate([values(r, shard, dtype) for r in range(size)])
+        want[0], want[-1] = np.nan, -0.0
+        for how in ("lazy", "eager", "whole"):
+            buf = np.full(numel, 99, dtype)  # only this rank's shard is current
+            buf[rank * shard:(rank + 1) * shard] = want[rank * shard:(rank + 1) * shard]
+            if how == "whole":
+                task = comm.allgather_inplace(buf)
+            else:
+                steps = allgather_steps(buf, 16, size, rank, window=window,
+                                        device=FakeDevice(how == "lazy"))
+                task = comm._start(steps, (buf,), "staged allgather",
+                                   (order_mod.ALLGATHER, numel, order_mod.dtype_code(buf.dtype),
+                                    -1, -1, -1))
+            task.wait(timeout=60)
+            assert buf.tobytes() == want.tobytes(), f"{how} allgather of {shard} per rank"
     comm.barrier()
 
 

@@ -219,19 +219,24 @@ class FakeDevice(staging.Device):
     """numpy arrays as "device" memory; each copy is queued on its stream and runs only
     when forced (``lazy``: a host wait, or a later op on the same stream / one waiting for
     it) or at once (eager). Logs issue and run order. Missing waits then read stale data
-    (lazy), early slot reuse overwrites data still in MPI (eager)."""
+    (lazy), early slot reuse overwrites data still in MPI (eager). A copy engine copies
+    contiguous memory only: packing a strided view and casting happen in ``work``."""
 
     def __init__(self, lazy):
         self.lazy = lazy
         self.log = []
         self.streams = {"d2h": collections.deque(), "h2d": collections.deque()}
         self.pinned_count = 0
+        self.pinned_sizes = []
+        self.scratch_sizes = []
 
     def pinned(self, n, dtype):
         self.pinned_count += 1
+        self.pinned_sizes.append(n)
         return np.full(n, np.nan, dtype)  # garbage until a copy lands
 
     def scratch(self, n, dtype, like):
+        self.scratch_sizes.append(n)
         return np.full(n, np.nan, dtype)
 
     def _queue(self, stream, name, fn, after=None):
@@ -255,23 +260,35 @@ class FakeDevice(staging.Device):
             e.done = True
             self.log.append(("run", e.name))
 
+    @staticmethod
+    def _check(part, host, work):
+        assert host.shape == part.shape and host.flags.c_contiguous
+        if work is None:  # a plain copy: contiguous, same dtype
+            assert part.flags.c_contiguous and host.dtype == part.dtype
+        else:
+            assert work.shape == part.shape and work.flags.c_contiguous
+            assert work.dtype == host.dtype
+
     def to_host(self, part, host, work=None, after=None):
+        self._check(part, host, work)
+
         def run():
             if work is not None:
-                work[...] = part.astype(np.float32)
+                work[...] = part.astype(work.dtype)  # widen / pack on the device
                 host[...] = work
             else:
                 host[...] = part
         return self._queue("d2h", f"d2h@{id(host)}", run, after)
 
     def to_device(self, host, part, work=None):
-        data = host  # read when the copy runs, not now
+        self._check(part, host, work)
 
-        def run():
-            part[...] = data.astype(part.dtype) if work is None else data
-            if work is not None:
-                work[...] = data
-                part[...] = work.astype(part.dtype)
+        def run():  # reads host when the copy runs, not now
+            if work is None:
+                part[...] = host
+            else:
+                work[...] = host
+                part[...] = work.astype(part.dtype)  # round / scatter on the device
         return self._queue("h2d", f"h2d@{id(part)}", run)
 
     def wait(self, event):
@@ -279,20 +296,54 @@ class FakeDevice(staging.Device):
         self.log.append(("wait", event.name))
 
 
+def _buf(arg):
+    """The array of an mpi4py buffer spec ``[array, type]``."""
+    return arg[0] if isinstance(arg, list) else arg
+
+
+def _run_call(calls):
+    """Complete one collective call issued by every simulated rank (``calls[r]``)."""
+    name, args = calls[0][0], [c[1] for c in calls]
+    if name == "Reduce_scatter_block":
+        sends, recvs = [_buf(a[0]) for a in args], [_buf(a[1]) for a in args]
+        total = np.sum([b.astype(np.float64) for b in sends], axis=0)
+        n = recvs[0].size
+        for r, out in enumerate(recvs):
+            assert not np.shares_memory(out, sends[r])  # MPI forbids aliasing
+            out[...] = total[r * n:(r + 1) * n]
+    elif name == "Allgather":
+        sends, recvs = [_buf(a[0]) for a in args], [_buf(a[1]) for a in args]
+        for r, out in enumerate(recvs):
+            assert not np.shares_memory(out, sends[r])
+            out[...] = np.concatenate(sends)
+    else:  # (IN_PLACE, [buf, type]) is reduced in place; ([buf, type], None) only sends
+        bufs = [(a[0][0] if isinstance(a[0], list) else a[1][0]) for a in args]
+        total = np.sum([b.astype(np.float64) for b in bufs], axis=0)
+        for a, b in zip(args, bufs):
+            if not isinstance(a[0], list):
+                b[...] = total
+
+
+def _sent(call):
+    """What a call hands MPI to read, as bytes (MPI may read it until it completes)."""
+    first = call[1][0]
+    return (_buf(first) if isinstance(first, list) else _buf(call[1][1])).tobytes()
+
+
 def _simulate(gens, window, on_issue):
     """Run one generator per simulated rank in lock step like the nonblocking engine:
-    pipelined calls in flight up to ``window`` (completed oldest first), fences drained."""
+    pipelined calls in flight up to ``window`` (completed oldest first), fences drained.
+    MPI reads what it sends when the call completes; the test also checks that nothing
+    changed it since the call was issued (a slot refilled too early)."""
     inflight = [collections.deque() for _ in gens]
     blocked = done = False
 
     def complete_oldest():
-        calls = [q.popleft() for q in inflight]
-        # (IN_PLACE, [buf, type]) is reduced in place; ([buf, type], None) only sends
-        bufs = [(c[1][0][0] if isinstance(c[1][0], list) else c[1][1][0]) for c in calls]
-        total = np.sum([b.astype(np.float64) for b in bufs], axis=0)
-        for c, b in zip(calls, bufs):
-            if not isinstance(c[1][0], list):
-                b[...] = total
+        entries = [q.popleft() for q in inflight]
+        for call, sent in entries:
+            assert _sent(call) == sent, f"{call[0]}: send buffer changed while in MPI"
+        calls = [c for c, _ in entries]
+        _run_call(calls)
         for c in calls:
             if len(c) > 3 and c[3] is not None:
                 c[3]()
@@ -306,19 +357,42 @@ def _simulate(gens, window, on_issue):
         blocked = False
         steps = [next(g, None) for g in gens]
         if steps[0] is None:
+            assert all(s is None for s in steps)
             done = True
             continue
+        assert len({s[0] for s in steps}) == 1  # every rank issues the same call
         if steps[0][0] == "_pause":
             blocked = True
             continue
         on_issue(steps[0])
         for q, s in zip(inflight, steps):
-            q.append(s)
+            q.append((s, _sent(s)))
         blocked = len(steps[0]) == 3
 
 
 def _fill(rng, n, dtype):
     return (rng.integers(-64, 64, n) / 8).astype(dtype)
+
+
+def _check_overlap(dev, issued, rounds, window, lands=True):
+    """The copy of round k + 1 to the host was started before MPI got round k; round k's
+    copy back before MPI got round k + window (nothing waited for it); a lazy device is
+    waited on for a copy back only after the last call was issued."""
+    log = dev.log
+    d2h = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("d2h")]
+    assert len(d2h) == rounds == len(issued)
+    for k in range(rounds - 1):
+        assert d2h[k + 1] < issued[k]
+    if not lands:
+        return
+    h2d = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("h2d")]
+    assert len(h2d) == rounds
+    for k in range(rounds - window):
+        assert h2d[k] < issued[k + window]
+    if dev.lazy and rounds > 2:
+        first_wait = min(i for i, e in enumerate(log)
+                         if e[0] == "wait" and e[1].startswith("h2d"))
+        assert first_wait > issued[-1]
 
 
 @pytest.mark.parametrize("lazy", [True, False])
@@ -346,17 +420,86 @@ def test_staging_pipeline_results_and_overlap(lazy, dtype, numel, seg, window, r
             np.testing.assert_array_equal(b, d)  # a non-root rank's buffer is untouched
     nseg = -(-numel // seg)
     assert devs[0].pinned_count == min(window + 2, nseg)
-    log = devs[0].log
-    d2h = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("d2h")]
-    assert len(d2h) == nseg
-    for k in range(nseg - 1):
-        assert d2h[k + 1] < issued[k]  # the copy of k+1 was started before MPI got k
-    if root is None and nseg > 2:
-        h2d = [i for i, e in enumerate(log) if e[0] == "issue" and e[1].startswith("h2d")]
-        assert len(h2d) == nseg
-        for k in range(nseg - window):  # k goes back before MPI gets k + window (no wait)
-            assert h2d[k] < issued[k + window]
-        if lazy:  # nothing waits for a copy back until the end
-            first_wait = min(i for i, e in enumerate(log)
-                             if e[0] == "wait" and e[1].startswith("h2d"))
-            assert first_wait > issued[-1]
+    _check_overlap(devs[0], issued, nseg, window, lands=root is None)
+
+
+#: (shard, seg, window): shards a piece does not divide, a piece (seg // nranks) larger
+#: than the shard, seg below nranks (pieces of one element), an empty shard
+RS_CASES = [(37, 16, 1), (37, 16, 2), (37, 16, 8), (10, 96, 2), (1, 8, 3), (100, 24, 3),
+            (23, 3, 2), (0, 8, 2)]
+HALVES_AND_FULL = [float32, np.float64, float16, bfloat16]
+
+
+def _check_rounds(dev, issued, shard, seg, nranks, window, widened):
+    """A collective in rounds of piece k of every shard: overlap order, and memory bounded
+    by the slots, not the buffer: window + 2 send and receive slots, one round wide, and a
+    device scratch slot each where a round is widened or strided (packed or scattered)."""
+    piece = max(1, min(seg // nranks, shard))
+    rounds = -(-shard // piece)
+    _check_overlap(dev, issued, rounds, window)
+    slots = min(window + 2, rounds)
+    assert dev.pinned_count == 2 * slots
+    assert max(dev.pinned_sizes, default=0) <= nranks * piece
+    assert max(dev.scratch_sizes, default=0) <= nranks * piece
+    strided = nranks > 1 and rounds > 1
+    assert len(dev.scratch_sizes) == (slots if widened or strided else 0)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("dtype", HALVES_AND_FULL, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shard,seg,window", RS_CASES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_staged_reduce_scatter_results_and_overlap(lazy, dtype, nranks, shard, seg, window,
+                                                    inplace):
+    """Round k: piece k of every shard packed (and widened) on the device, one copy to the
+    host, Reduce_scatter_block, this rank's piece back (rounded on the device)."""
+    from mpifusion.comm.collectives import reduce_scatter_steps
+
+    rng = np.random.default_rng(1000 * nranks + shard + seg)
+    numel = shard * nranks
+    data = [_fill(rng, numel, dtype) for _ in range(nranks)]
+    total = np.sum([d.astype(np.float64) for d in data], axis=0) * np.float64(0.5)
+    devs = [FakeDevice(lazy) for _ in range(nranks)]
+    sends = [d.copy() for d in data]
+    recvs = [s[r * shard:(r + 1) * shard] if inplace else np.full(shard, -7, dtype)
+             for r, s in enumerate(sends)]
+    gens = [reduce_scatter_steps(s, o, 0.5, seg, nranks, r, window=window, device=dv)
+            for r, (s, o, dv) in enumerate(zip(sends, recvs, devs))]
+    issued = []
+    _simulate(gens, window, lambda step: issued.append(len(devs[0].log)))
+    for r, (o, send, d) in enumerate(zip(recvs, sends, data)):
+        want = total[r * shard:(r + 1) * shard].astype(dtype).astype(np.float64)
+        np.testing.assert_array_equal(o.astype(np.float64), want, err_msg=f"rank {r}")
+        if not inplace:
+            np.testing.assert_array_equal(send, d)  # the send buffer is only read
+    half = np.dtype(dtype) in (np.dtype(float16), np.dtype(bfloat16))
+    _check_rounds(devs[0], issued, shard, seg, nranks, window, widened=half)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+@pytest.mark.parametrize("dtype", HALVES_AND_FULL, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shard,seg,window", RS_CASES)
+def test_staged_allgather_results_and_overlap(lazy, dtype, nranks, shard, seg, window):
+    """Round k: piece k of this rank's shard to the host, Allgather (send and receive slots),
+    the block back and scattered into piece k of every shard on the device; raw bytes."""
+    from mpifusion.comm.collectives import allgather_steps
+
+    rng = np.random.default_rng(7 * nranks + shard + seg)
+    numel = shard * nranks
+    want = _fill(rng, numel, dtype)
+    want[: min(3, numel)] = np.array([np.nan, -0.0, np.inf][: min(3, numel)], dtype)  # raw
+    bufs = []
+    for r in range(nranks):  # only its own shard is this rank's; the rest is stale
+        b = np.full(numel, 99, dtype)
+        b[r * shard:(r + 1) * shard] = want[r * shard:(r + 1) * shard]
+        bufs.append(b)
+    devs = [FakeDevice(lazy) for _ in range(nranks)]
+    gens = [allgather_steps(b, seg, nranks, r, window=window, device=dv)
+            for r, (b, dv) in enumerate(zip(bufs, devs))]
+    issued = []
+    _simulate(gens, window, lambda step: issued.append(len(devs[0].log)))
+    for r, b in enumerate(bufs):
+        assert b.tobytes() == want.tobytes(), f"rank {r}"
+    _check_rounds(devs[0], issued, shard, seg, nranks, window, widened=False)  # raw bytes
