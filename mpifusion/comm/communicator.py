@@ -51,8 +51,8 @@ logger = logging.getLogger("mpifusion")
 #: negotiated order: which of a slot's item bits each kind of collective uses
 _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER: 2}
 
-#: ``thread`` strategy: collectives of buffers up to this size run on the caller when nothing
-#: else is in flight on the communicator (measured: BENCHMARKS.md, small messages)
+#: ``thread`` strategy: a caller waiting (no deadline) for a collective of buffers up to this
+#: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages)
 INLINE_MAX_BYTES = 64 << 10
 
 
@@ -235,7 +235,7 @@ class Communicator:
             task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
         if (self.timeout is None and isinstance(self._engine, _ThreadEngine)
                 and sum(getattr(a, "nbytes", 0) for a in keep) <= INLINE_MAX_BYTES):
-            self._engine.submit(task, inline=True)  # without a deadline only: it blocks
+            self._engine.submit(task, inline=True)  # a waiting caller may run it itself
         else:
             self._engine.submit(task)
         return task

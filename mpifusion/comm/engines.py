@@ -2,8 +2,8 @@
 
 One engine per private communicator runs the tasks started on it in start order, on every
 rank: a task issues its next call only after every earlier task issued all of its calls, and
-no two threads ever call MPI on the communicator at once (``thread``: only its daemon thread,
-or the caller while the thread is idle and the engine's lock is held; ``nonblocking``: the
+no two threads ever call MPI on the communicator at once (``thread``: its daemon thread, or
+a waiting caller that claimed the next task before the thread did; ``nonblocking``: the
 caller holding the engine's lock). ``thread`` runs the calls blocking; ``nonblocking`` issues
 the non-blocking forms from the caller and progresses them whenever MPI is called.
 
@@ -268,17 +268,32 @@ class _NonBlockingEngine(_Engine):
             self.thread.join(timeout=1.0)
 
 
-#: the event of a task that ran inline: already set (making an Event costs a few us)
-_DONE = threading.Event()
-_DONE.set()
+#: thread strategy: how long a small task started without a deadline is left for its caller's
+#: wait() to run it before the comm thread does (the thread's wake-up is what is saved)
+HANDOFF_S = 0.002
+#: the comm thread looks for such tasks on its own while its communicator was used this
+#: recently; after that it sleeps until a start wakes it
+HOT_S = 1.0
 
 
 class _ThreadEngine(_Engine):
-    """A daemon thread running each task's calls as blocking MPI calls, in FIFO order."""
+    """A daemon thread running each task's calls as blocking MPI calls, in start order.
+
+    Small tasks without a deadline (``inline``) are started without waking the thread:
+    waking it costs 30-150 us here, more than a 4-64 KiB collective. A caller that waits for
+    one, with every earlier task finished, runs it itself; if nobody waits within
+    :data:`HANDOFF_S` the thread runs it, so a caller that communicates between start and
+    wait (a barrier, a send, another buffer) cannot deadlock. ``running`` is held by
+    whoever runs a task's calls, so calls stay in start order on one thread at a time.
+    """
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
         super().__init__(comm, label)
-        self.queue: "queue.SimpleQueue[Optional[CommTask]]" = queue.SimpleQueue()
+        self.todo: Deque[CommTask] = collections.deque()  # started, nobody runs them yet
+        self.bell: "queue.SimpleQueue[Optional[bool]]" = queue.SimpleQueue()  # None: stop
+        self.running = threading.Lock()
+        self.asleep = False     # the thread waits with no timeout: every start must ring
+        self.last = 0.0         # when a task was last started
         self.thread = threading.Thread(target=self._run, name="mpifusion-comm", daemon=True)
         self.thread.start()
 
@@ -298,32 +313,53 @@ class _ThreadEngine(_Engine):
         except BaseException as exc:  # reported to the caller by wait()
             task._fail(exc)
 
+    def _next(self) -> "tuple[Optional[CommTask], Optional[float]]":
+        """The task the thread runs now, else how long it may sleep (None: until rung).
+        The engine's lock is held."""
+        now = time.monotonic()
+        todo = self.todo
+        if todo:
+            head = todo[0]
+            left = HANDOFF_S - (now - head._since)
+            if not head._stealable or len(todo) > 1 or left <= 0:
+                return todo.popleft(), None
+            return None, left
+        if now - self.last < HOT_S:
+            return None, HANDOFF_S
+        self.asleep = True
+        return None, None
+
     def _run(self) -> None:
+        timeout: Optional[float] = None
         while True:
-            task = self.queue.get()
-            if task is None:
-                return
-            self._execute(task)
-            task._event.set()
+            try:
+                if self.bell.get(timeout=timeout) is None:
+                    return
+            except queue.Empty:
+                pass
+            while True:
+                with self.lock:
+                    task, timeout = self._next()
+                if task is None:
+                    break
+                # a caller may still be running the task before this one (it took it from
+                # ``todo`` holding ``running``): start after it
+                with self.running:
+                    self._execute(task)
+                task._event.set()
 
     def submit(self, task: CommTask, inline: bool = False) -> None:
-        """Queue ``task`` for the thread; with ``inline`` (a small collective, no deadline),
-        run it at once on the caller when nothing is in flight: waking the thread costs
-        70-150 us, more than a 4-64 KiB collective itself, and with an idle queue the calls
-        are issued in the same order either way (the lock keeps other callers out)."""
+        """Start ``task``; ``inline`` (a small collective, no deadline) leaves it a moment
+        for a waiting caller to run (:meth:`wait_for`) instead of waking the thread."""
         with self.lock:
-            if inline:
-                self._progress()
-                if not self.tasks:
-                    self._check_open()
-                    task.seq = self.seq
-                    self.seq += 1
-                    task._event = _DONE
-                    self._execute(task)
-                    return
             self._stamp(task)
+            task._stealable = inline
+            task._since = self.last = time.monotonic()
             self.tasks.append(task)
-            self.queue.put(task)
+            self.todo.append(task)
+            if not inline or self.asleep:
+                self.asleep = False
+                self.bell.put(True)
 
     def submit_from_stream(self, task: CommTask) -> None:
         self.submit(task)  # the comm thread never holds the lock for long
@@ -341,13 +377,31 @@ class _ThreadEngine(_Engine):
                 self.lock.release()
 
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
+        if task._stealable:
+            with self.lock:
+                self._progress()
+                todo = self.todo
+                # nobody runs it yet, every earlier task finished, the thread runs nothing
+                mine = (timeout is None and todo and todo[0] is task
+                        and self.tasks[0] is task and self.running.acquire(blocking=False))
+                if mine:
+                    todo.popleft()
+                elif task._stealable:
+                    task._stealable = False  # waited for: the thread takes it at once
+                    self.bell.put(True)
+            if mine:
+                try:
+                    self._execute(task)
+                finally:
+                    self.running.release()
+                task._event.set()
         if not task._event.wait(timeout):
             raise task._timeout_error(timeout)
         self.progress()
 
     def close(self, timeout: float) -> None:
         super().close(timeout)
-        self.queue.put(None)
+        self.bell.put(None)
         if not self.stuck and self.abandoned is None:
             self.thread.join(timeout=1.0)
 

@@ -62,7 +62,8 @@ class CommTask:
 
     __slots__ = ("name", "_requests", "_keep", "_finish", "_done", "_steps", "_engine",
                  "_event", "_error", "_rank", "timed_out", "abandoned", "timeout", "seq",
-                 "on_fail", "window", "_blocked", "_stopped", "__weakref__")
+                 "on_fail", "window", "_blocked", "_stopped", "_stealable", "_since",
+                 "__weakref__")
 
     def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
@@ -85,6 +86,8 @@ class CommTask:
         self.window = 1             # pipelined calls in flight at most (nonblocking engine)
         self._blocked = False       # the last call was a fence: pull nothing until it landed
         self._stopped = False       # no more calls (steps exhausted, or failed)
+        self._stealable = False     # thread engine: left a moment for its caller to run
+        self._since = 0.0           # thread engine: when it was started (monotonic)
 
     # -- engine side
     def _fail(self, exc: BaseException) -> None:

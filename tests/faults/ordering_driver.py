@@ -189,6 +189,31 @@ def build_in_flight():
     say("build-in-flight ok")
 
 
+def interleaved():
+    """The user communicates between a small buffer's last add_grad and its wait, in an
+    order that needs the collective to progress without the caller: rank 0 starts it, then
+    enters a barrier (and a send to the next rank) that the others reach only before they
+    start it. A collective run on the caller at start would block rank 0 in it, the others
+    in the barrier: a deadlock. Buffers of 64 KiB and under (a waiting caller may run them
+    itself) and one above."""
+    for step, n in enumerate((100, 16_384, 3, 20_000)):
+        buf, params = make(step, [(n,), (5,)], tag=f"il{step}_")
+        if rank == 0:
+            feed(buf, params, step, 0)
+            world.Barrier()
+            if size > 1:
+                world.send(step, dest=1, tag=7)
+        else:
+            world.Barrier()
+            if rank == 1:
+                assert world.recv(source=0, tag=7) == step
+            feed(buf, params, step, 0)
+        buf.scale_grads()
+        check(params, step, 0, f"interleaved step {step}")
+        buf.close()
+    say("interleaved ok")
+
+
 def threads():
     """add_grad of the same params from two threads at once, acc_steps=2: no micro-step lost
     (big grads: numpy's += releases the GIL, so without the buffer's lock two accumulations
@@ -269,6 +294,7 @@ def suite():
     order_mismatch_free_grads()
     negotiated()
     build_in_flight()
+    interleaved()
     threads()
     alias()
     lifetime()
@@ -339,6 +365,7 @@ def suite_one_rank():
     """One rank: no mismatch is possible, everything else must still work."""
     negotiated()
     build_in_flight()
+    interleaved()
     threads()
     alias()
     lifetime()

@@ -6,7 +6,9 @@ and 8 ranks; 4 too for the negotiated order), both strategies:
 * ``suite``: buffers finished in a different order on rank 0 (equal and different sizes) give
   an OrderError on every rank with the grads untouched, and work after ``reset()``; the
   negotiated order under adversarial per-rank orders against float64 references; a buffer
-  built while another's collective is in flight; ``add_grad`` of one param from two threads
+  built while another's collective is in flight; user communication between a small
+  buffer's start and its wait that only completes if the collective progresses without the
+  caller; ``add_grad`` of one param from two threads
   (acc_steps=2); a grad that is the param's own view; 50 split communicators freed without
   a thread or duplicate left.
 * ``abandon``: after CommTimeoutError and ``reset(abandon=True)`` no later collective pairs
@@ -28,8 +30,8 @@ from tests.helpers import run_job
 DRIVER = str(Path(__file__).with_name("ordering_driver.py"))
 STRATEGIES = ("thread", "nonblocking")
 HARD_LIMIT = 150
-CHECKS = ("equal sizes", "different sizes", "free-grads mismatch", "negotiated", "build-in-flight", "threads",
-          "alias", "lifetime")
+CHECKS = ("equal sizes", "different sizes", "free-grads mismatch", "negotiated", "build-in-flight",
+          "interleaved", "threads", "alias", "lifetime")
 
 
 def _job(nranks: int, *args: str, env: dict = None, timeout: float = HARD_LIMIT):
