@@ -1,8 +1,8 @@
 """GPU buffers and MPI: is this MPI CUDA-aware, and host staging when it is not.
 
 Communication code calls these around every collective on a cupy buffer: ``synchronize``
-before MPI reads device memory (kernels writing the grads may still be queued), and, when
-the MPI cannot read device memory, ``stage`` / ``unstage`` through pinned host memory.
+before MPI reads device memory (kernels writing the grads may still be queued); when the MPI
+cannot read device memory, ``staging.py`` pipelines segments through pinned host slots.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import re
 from typing import Any, Optional
 
-import numpy as np
 
 from ..config import CUDA_AWARE_ENV, cuda_aware_from_env  # noqa: F401 (re-exported)
 from . import backend
@@ -85,11 +84,11 @@ def synchronize(arr: Any) -> None:
 
 
 #: what the staged path allocated in this process (pinned host bytes), for memory reports.
-staging_stats = {"stages": 0, "pinned_bytes": 0}
+staging_stats = {"pinned_bytes": 0}
 
 
 def reset_staging_stats() -> None:
-    staging_stats.update(stages=0, pinned_bytes=0)
+    staging_stats.update(pinned_bytes=0)
 
 
 def gpu_available() -> bool:
@@ -101,31 +100,3 @@ def gpu_available() -> bool:
         return cp.cuda.runtime.getDeviceCount() > 0
     except Exception:
         return False
-
-
-def stage(arr: Any) -> Any:
-    """A pinned host copy of a device array (the array itself when it is on the host).
-
-    The copy is complete when this returns; pinned memory comes from cupy's pinned pool, so
-    a buffer staged every step reuses the same host pages.
-    """
-    if not backend.is_cupy(arr):
-        return arr
-    cp = backend.cupy_module()
-    with arr.device:
-        mem = cp.cuda.alloc_pinned_memory(arr.nbytes)
-        host = np.frombuffer(mem, dtype=arr.dtype, count=arr.size).reshape(arr.shape)
-        arr.get(out=host, blocking=True)
-    staging_stats["stages"] += 1
-    staging_stats["pinned_bytes"] += arr.nbytes
-    return host
-
-
-def unstage(host: Any, arr: Any) -> None:
-    """Copy a staged host result back into its device array, finished before returning
-    (the pinned pages go back to the pool right after)."""
-    if host is arr:
-        return
-    with arr.device:
-        arr.set(host)
-        backend.cupy_module().cuda.get_current_stream().synchronize()

@@ -79,11 +79,6 @@ def test_cuda_aware_env_override(monkeypatch):
     assert cuda.is_cuda_aware() is cuda.query_cuda_aware()
 
 
-def test_host_arrays_go_to_mpi_as_they_are():
-    a = np.ones(4)
-    assert cuda.stage(a) is a
-
-
 def test_grad_on_the_wrong_device_names_the_param(xp):
     from mpi4py import MPI
 
