@@ -159,6 +159,7 @@ class ErrorStats:
     mismatched: int = 0     # ... of which the output is not the same Inf/NaN
     overflow: int = 0       # float64 reference or sum|x| overflows with finite inputs
     beyond: int = 0         # finite outputs farther from the reference than the bound
+    beyond_ratio: float = 0.0  # max |err| / bound over those finite comparisons only
     first_failure: Optional[str] = None  # the first failing element, for the report
 
     @property
@@ -182,7 +183,7 @@ class ErrorStats:
             parts.append(f"{self.nonfinite} Inf/NaN output(s) where the reference is finite")
         if self.beyond or not parts:
             parts.append(f"{self.beyond} element(s) beyond the bound (worst "
-                         f"{format_ratio(self.max_ratio)} of it)")
+                         f"{format_ratio(self.beyond_ratio)} of it)")
         text = "; ".join(parts)
         return f"{text}; first: {self.first_failure}" if self.first_failure else text
 
@@ -222,7 +223,9 @@ class ErrorStats:
         ratio = np.where(np.isnan(ratio), np.inf, ratio)  # a NaN ratio is a failure
         beyond = checked & ~(ratio <= 1.0)
         failing = over | mismatch | nonfinite
-        ratio = np.where(failing, np.inf, np.where(checked, ratio, 0.0))
+        ratio = np.where(checked, ratio, 0.0)
+        self.beyond_ratio = _worst(self.beyond_ratio, float(ratio.max()))
+        ratio = np.where(failing, np.inf, ratio)
         worst = float(ratio.max())
         if worst > self.max_ratio or self.worst_rank is None:
             self.worst_rank = rank
@@ -263,6 +266,7 @@ class ErrorStats:
         self.max_abs = _worst(self.max_abs, float(err.max()))
         self.max_rel = _worst(self.max_rel, float(rel.max()))
         self.max_ratio = _worst(self.max_ratio, worst)
+        self.beyond_ratio = _worst(self.beyond_ratio, worst)
         if count and self.first_failure is None:
             i = int(np.argmax(beyond))
             where = f" on rank {rank}" if rank is not None else ""
@@ -279,6 +283,7 @@ class ErrorStats:
         self.max_abs = _worst(self.max_abs, other.max_abs)
         self.max_rel = _worst(self.max_rel, other.max_rel)
         self.max_ratio = _worst(self.max_ratio, other.max_ratio)
+        self.beyond_ratio = _worst(self.beyond_ratio, other.beyond_ratio)
         if self.first_failure is None:
             self.first_failure = other.first_failure
 

@@ -209,6 +209,21 @@ def test_float64_overflow_is_reported_never_an_infinite_bound(inputs, out):
     assert not s.ok and s.overflow == 1 and "overflows" in s.reason
 
 
+def test_beyond_ratio_is_the_finite_elements_own():
+    """A NaN output and a finite element off by a known amount: the report names both, and
+    the "beyond the bound" ratio is that element's, not the NaN's inf."""
+    s = _stats([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], [NAN, 2.0, 2.5])
+    _, absolute = summed([np.ones(3), np.ones(3)])
+    want = 0.5 / float(error_bound(absolute, grad_dtype="float32", nranks=2, acc_steps=1,
+                                   average=False)[2])
+    assert not s.ok and s.nonfinite == 1 and s.beyond == 1
+    assert math.isinf(s.max_ratio) and s.beyond_ratio == pytest.approx(want)
+    assert "1 Inf/NaN output(s)" in s.reason and "(worst inf" not in s.reason
+    total = ErrorStats("w")
+    total.merge(s)
+    assert total.beyond_ratio == s.beyond_ratio
+
+
 def test_average_of_an_overflowing_sum_is_not_passed():
     s = _stats([[1.5e308], [1.5e308]], [1.5e308], dtype="float64", average=True)
     assert not s.ok and s.overflow == 1
