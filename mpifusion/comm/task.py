@@ -63,7 +63,7 @@ class CommTask:
     __slots__ = ("name", "_requests", "_keep", "_finish", "_done", "_steps", "_engine",
                  "_event", "_error", "_rank", "timed_out", "abandoned", "timeout", "seq",
                  "on_fail", "window", "_blocked", "_stopped", "_stealable", "_since",
-                 "__weakref__")
+                 "context", "__weakref__")
 
     def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
@@ -83,6 +83,8 @@ class CommTask:
         self.timeout = timeout
         self.seq = -1               # position in the engine's stream (set on submit)
         self.on_fail: Optional[Callable[[BaseException], None]] = None
+        #: more of a timeout's message, computed when it happens (the owner's late ranks)
+        self.context: Optional[Callable[[], str]] = None
         self.window = 1             # pipelined calls in flight at most (nonblocking engine)
         self._blocked = False       # the last call was a fence: pull nothing until it landed
         self._stopped = False       # no more calls (steps exhausted, or failed)
@@ -147,9 +149,11 @@ class CommTask:
     def _timeout_error(self, timeout: float) -> CommTimeoutError:
         self.timed_out = True
         self._engine.stuck = True  # at exit, do not wait for this communicator
+        more = self.context() if self.context is not None else ""
         return CommTimeoutError(f"rank {self._rank}: {self.name or 'collective'} did not "
                                 f"complete within {timeout:g} s (another rank may not have "
-                                f"started it, or started collectives in a different order)")
+                                f"started it, or started collectives in a different order)"
+                                f"{more}")
 
     def _complete(self) -> None:
         if self._done:
@@ -159,6 +163,7 @@ class CommTask:
         self._requests = []
         self._steps = None
         self._keep = []
+        self.context = None
         if self._error is None and finish is not None:
             finish()
 

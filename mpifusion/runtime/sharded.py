@@ -63,6 +63,7 @@ class ShardedParams:
                                             tag=(self._id, self._step))
         self.status = self.Status.SYNCING
         task.add_done_callback(self._mark_ready)
+        task.context = lambda: self._late_ranks(seq)  # the task's own wait() names them too
         if sync:
             try:
                 self._wait_task(task, "sync_params", seq)

@@ -102,6 +102,9 @@ def test_sync_params_task_keeps_deadline(nranks, strategy, blocking):
                       out)
         assert m, out[-4000:]
         assert float(m.group(1)) < 15, out  # the deadline, not the 30 s the other rank sleeps
+        # either form names the rank that never started it
+        assert re.search(rf"rank {r}: sync: timed out[^\n]*rank 1 of the buffer's "
+                         rf"communicator has not started it", out), out[-4000:]
 
 
 SETTINGS = {  # environment on rank 0 only -> the entry the AgreementError names
