@@ -1,7 +1,5 @@
 """The MPI test harness itself: a failing or hanging rank ends the whole job, it never hangs."""
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 

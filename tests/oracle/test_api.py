@@ -6,7 +6,6 @@ References are independent: fp32 numpy sums computed here, cut by layouts comput
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import textwrap

@@ -1,12 +1,7 @@
 """The README's API tour runs as written under mpiexec -n 4 and prints what it promises."""
-import os
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from tests.helpers import run_job
 

@@ -15,7 +15,6 @@ import struct
 import threading
 import time
 import tracemalloc
-import zipfile
 import zlib
 
 import numpy as np
