@@ -1,0 +1,144 @@
+"""The default step of each action against its raw MPI floor, all in rounds in one run.
+
+Issue 13's targets: the ALL_REDUCE step within 1.10x of the best raw segmented ``Allreduce``
+plus the same 1/n; REDUCE and REDUCE_SCATTER + sync_params within 1.15x of theirs. Every
+candidate runs once per round; rank 0 prints, per step, the median over rounds of
+``step / best floor of the same round`` (load that drifts during the run hits both alike).
+
+Floors (no mpifusion; each the best of several ways, chosen per round):
+
+- ALL_REDUCE: blocking ``Allreduce`` in 2, 4 or 8 MiB segments, each scaled by 1/n while in
+  cache, or one call then one scaling pass;
+- REDUCE (root 0): blocking ``Reduce`` in 2, 4 or 8 MiB segments, or one call, the root
+  scaling what it received by 1/n;
+- REDUCE_SCATTER + sync_params: ``Reduce_scatter_block`` (one call), 1/n on the own shard,
+  ``Allgather`` in place (one call) -- the sharded step's minimum traffic.
+
+    mpiexec -n 2 python benchmarks/bench_floors.py [--preset gpt2-small] [--iters 7]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Callable, Dict, List
+
+import numpy as np
+from mpi4py import MPI
+
+from mpifusion import machine
+from mpifusion.runtime.buffer import HookAction
+from mpifusion.tools.bench import (_DEFAULT, _default_segment, build_buffers, full_step,
+                                   grad_bytes, make_params, mpi_name, timeit_many)
+
+MiB = 1 << 20
+SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
+
+
+def allreduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
+    buf = np.ones(count, np.float32)
+    f = np.float32(1.0 / comm.Get_size())
+
+    def segmented(seg: int) -> Callable[[], None]:
+        step = seg // 4
+
+        def run() -> None:
+            for lo in range(0, buf.size, step):
+                v = buf[lo:lo + step]
+                comm.Allreduce(MPI.IN_PLACE, [v, MPI.FLOAT])
+                v *= f
+        return run
+
+    def one_call() -> None:
+        comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT])
+        buf.__imul__(f)
+
+    ways = {f"Allreduce {s // MiB} MiB segments + 1/n": segmented(s) for s in SEGMENTS}
+    ways["Allreduce one call + 1/n pass"] = one_call
+    return ways
+
+
+def reduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
+    buf = np.ones(count, np.float32)
+    root = comm.Get_rank() == 0
+    f = np.float32(1.0 / comm.Get_size())
+
+    def piece(v: np.ndarray) -> None:
+        if root:
+            comm.Reduce(MPI.IN_PLACE, [v, MPI.FLOAT], root=0)
+            v *= f
+        else:
+            comm.Reduce([v, MPI.FLOAT], None, root=0)
+
+    def segmented(seg: int) -> Callable[[], None]:
+        step = seg // 4
+        return lambda: [piece(buf[lo:lo + step]) for lo in range(0, buf.size, step)]
+
+    ways = {f"Reduce {s // MiB} MiB segments + 1/n": segmented(s) for s in SEGMENTS}
+    ways["Reduce one call + 1/n pass"] = lambda: piece(buf)
+    return ways
+
+
+def reduce_scatter_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
+    n = comm.Get_size()
+    count = count // n * n
+    buf = np.ones(count, np.float32)
+    shard = np.empty(count // n, np.float32)
+    mine = buf[comm.Get_rank() * shard.size:(comm.Get_rank() + 1) * shard.size]
+    f = np.float32(1.0 / n)
+
+    def run() -> None:
+        comm.Reduce_scatter_block([buf, MPI.FLOAT], [shard, MPI.FLOAT])
+        np.multiply(shard, f, out=mine)
+        comm.Allgather(MPI.IN_PLACE, [buf, MPI.FLOAT])
+    return {"Reduce_scatter_block + 1/n + Allgather (one call each)": run}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2-small")
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--actions", default="ALL_REDUCE,REDUCE,REDUCE_SCATTER")
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    targets = {"ALL_REDUCE": 1.10, "REDUCE": 1.15, "REDUCE_SCATTER": 1.15}
+    floors_of = {"ALL_REDUCE": allreduce_floors, "REDUCE": reduce_floors,
+                 "REDUCE_SCATTER": reduce_scatter_floors}
+    fns: Dict[str, Callable[[], None]] = {}
+    groups: Dict[str, List[str]] = {}
+    keep = []
+    for name in args.actions.split(","):
+        act = HookAction[name]
+        bufs = build_buffers(make_params(args.preset, None, rank, fill=False), act,
+                             256 * MiB, comm, _DEFAULT)
+        keep.append(bufs)
+        sync = act == HookAction.REDUCE_SCATTER
+        label = f"{name}{' + sync_params' if sync else ''} step [{_DEFAULT}]"
+        fns[label] = (lambda b=bufs, y=sync: full_step(b, y))
+        floors = floors_of[name](comm, grad_bytes(bufs) // 4)
+        fns.update(floors)
+        groups[label] = list(floors)
+    res = timeit_many(fns, comm, args.iters, args.warmup)
+    if rank != 0:
+        return
+    print(f"# {args.preset}, {n} ranks, {mpi_name()}, {args.iters} rounds; "
+          f"{machine.cpu_model()}, default segment {_default_segment() // MiB} MiB")
+    print("| step | ms (median) | best floor (most often) | floor ms | step / floor "
+          "(median over rounds, min-max) | target | met |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, names in groups.items():
+        step = res[label]["times_s"]
+        best = [min(names, key=lambda k: res[k]["times_s"][i]) for i in range(args.iters)]
+        ratios = [step[i] / res[best[i]]["times_s"][i] for i in range(args.iters)]
+        usual = max(set(best), key=best.count)
+        target = targets[label.split(" ")[0]]
+        med = statistics.median(ratios)
+        print(f"| {label} | {res[label]['median_s'] * 1e3:.1f} | {usual} | "
+              f"{res[usual]['median_s'] * 1e3:.1f} | {med:.2f} ({min(ratios):.2f}-"
+              f"{max(ratios):.2f}) | <= {target:.2f} | {'yes' if med <= target else 'NO'} |")
+    del keep
+
+
+if __name__ == "__main__":
+    main()
