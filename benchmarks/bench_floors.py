@@ -27,8 +27,10 @@ from mpi4py import MPI
 
 from mpifusion import machine
 from mpifusion.runtime.buffer import HookAction
-from mpifusion.tools.bench import (_DEFAULT, _default_segment, build_buffers, full_step,
-                                   grad_bytes, make_params, mpi_name, timeit_many)
+from mpifusion.tools.bench import (_DEFAULT, _default_segment, best_per_round, build_buffers,
+                                   full_step, grad_bytes, make_params, mpi_name,
+                                   reduce_scatter_allgather, segmented_allreduce,
+                                   segmented_reduce, timeit_many)
 
 MiB = 1 << 20
 SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
@@ -36,61 +38,27 @@ SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
 
 def allreduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
     buf = np.ones(count, np.float32)
-    f = np.float32(1.0 / comm.Get_size())
-
-    def segmented(seg: int) -> Callable[[], None]:
-        step = seg // 4
-
-        def run() -> None:
-            for lo in range(0, buf.size, step):
-                v = buf[lo:lo + step]
-                comm.Allreduce(MPI.IN_PLACE, [v, MPI.FLOAT])
-                v *= f
-        return run
-
-    def one_call() -> None:
-        comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT])
-        buf.__imul__(f)
-
-    ways = {f"Allreduce {s // MiB} MiB segments + 1/n": segmented(s) for s in SEGMENTS}
-    ways["Allreduce one call + 1/n pass"] = one_call
+    f = 1.0 / comm.Get_size()
+    ways = {f"Allreduce {s // MiB} MiB segments + 1/n": segmented_allreduce(comm, buf, s, f)
+            for s in SEGMENTS}
+    ways["Allreduce one call + 1/n pass"] = segmented_allreduce(comm, buf, buf.nbytes, f)
     return ways
 
 
 def reduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
     buf = np.ones(count, np.float32)
-    root = comm.Get_rank() == 0
-    f = np.float32(1.0 / comm.Get_size())
-
-    def piece(v: np.ndarray) -> None:
-        if root:
-            comm.Reduce(MPI.IN_PLACE, [v, MPI.FLOAT], root=0)
-            v *= f
-        else:
-            comm.Reduce([v, MPI.FLOAT], None, root=0)
-
-    def segmented(seg: int) -> Callable[[], None]:
-        step = seg // 4
-        return lambda: [piece(buf[lo:lo + step]) for lo in range(0, buf.size, step)]
-
-    ways = {f"Reduce {s // MiB} MiB segments + 1/n": segmented(s) for s in SEGMENTS}
-    ways["Reduce one call + 1/n pass"] = lambda: piece(buf)
+    f = 1.0 / comm.Get_size()
+    ways = {f"Reduce {s // MiB} MiB segments + 1/n": segmented_reduce(comm, buf, s, f)
+            for s in SEGMENTS}
+    ways["Reduce one call + 1/n pass"] = segmented_reduce(comm, buf, buf.nbytes, f)
     return ways
 
 
 def reduce_scatter_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
     n = comm.Get_size()
-    count = count // n * n
-    buf = np.ones(count, np.float32)
-    shard = np.empty(count // n, np.float32)
-    mine = buf[comm.Get_rank() * shard.size:(comm.Get_rank() + 1) * shard.size]
-    f = np.float32(1.0 / n)
-
-    def run() -> None:
-        comm.Reduce_scatter_block([buf, MPI.FLOAT], [shard, MPI.FLOAT])
-        np.multiply(shard, f, out=mine)
-        comm.Allgather(MPI.IN_PLACE, [buf, MPI.FLOAT])
-    return {"Reduce_scatter_block + 1/n + Allgather (one call each)": run}
+    buf = np.ones(count // n * n, np.float32)
+    return {"Reduce_scatter_block + 1/n + Allgather (one call each)":
+            reduce_scatter_allgather(comm, buf, 1.0 / n)}
 
 
 def main() -> None:
@@ -129,9 +97,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, names in groups.items():
         step = res[label]["times_s"]
-        best = [min(names, key=lambda k: res[k]["times_s"][i]) for i in range(args.iters)]
-        ratios = [step[i] / res[best[i]]["times_s"][i] for i in range(args.iters)]
-        usual = max(set(best), key=best.count)
+        best = best_per_round([res[k] for k in names])["times_s"]
+        ratios = [a / b for a, b in zip(step, best)]
+        fastest = [min(names, key=lambda k: res[k]["times_s"][i]) for i in range(len(step))]
+        usual = max(set(fastest), key=fastest.count)
         target = targets[label.split(" ")[0]]
         med = statistics.median(ratios)
         print(f"| {label} | {res[label]['median_s'] * 1e3:.1f} | {usual} | "

@@ -18,7 +18,8 @@ from mpifusion import machine
 from mpifusion.config import CommOptions
 from mpifusion.runtime.buffer import FusedCommBuffer, HookAction
 from mpifusion.runtime.fusion import assign_group_by_size
-from mpifusion.tools.bench import full_step, grad_bytes, make_params, timeit_many
+from mpifusion.tools.bench import (best_per_round, full_step, grad_bytes, make_params,
+                                   segmented_allreduce, timeit_many)
 
 MiB = 1 << 20
 
@@ -47,15 +48,11 @@ def main() -> None:
         fns[f"step, {seg // MiB} MiB"] = (lambda b=bufs: full_step(b, False))
     flat = np.ones(nbytes // 4, np.float32)
     for mb in (int(float(s) * MiB) for s in args.raw_mb.split(",")):
-        def raw(seg: int = mb) -> None:
-            step = seg // 4
-            for lo in range(0, flat.size, step):
-                comm.Allreduce(MPI.IN_PLACE, [flat[lo:lo + step], MPI.FLOAT])
-        fns[f"raw Allreduce, {mb // MiB} MiB segments"] = raw
+        fns[f"raw Allreduce, {mb // MiB} MiB segments"] = segmented_allreduce(comm, flat, mb)
     res = timeit_many(fns, comm, args.iters, 1)
     if rank == 0:
         raws = [k for k in res if k.startswith("raw")]
-        best_raw = [min(res[k]["times_s"][i] for k in raws) for i in range(args.iters)]
+        best_raw = best_per_round([res[k] for k in raws])["times_s"]
         rule = machine.segment_rule()
         print(f"# {args.preset} ALL_REDUCE, {n} ranks, {nbytes / 1e6:.1f} MB fp32, thread "
               f"strategy, {args.iters} rounds; {machine.cpu_model()}, "

@@ -382,11 +382,11 @@ class _ThreadEngine(_Engine):
                 self._progress()
                 todo = self.todo
                 # nobody runs it yet, every earlier task finished, the thread runs nothing
-                mine = (timeout is None and todo and todo[0] is task
-                        and self.tasks[0] is task and self.running.acquire(blocking=False))
+                mine = bool(timeout is None and todo and todo[0] is task
+                            and self.tasks[0] is task and self.running.acquire(blocking=False))
                 if mine:
                     todo.popleft()
-                elif task._stealable:
+                else:
                     task._stealable = False  # waited for: the thread takes it at once
                     self.bell.put(True)
             if mine:

@@ -150,6 +150,66 @@ def grad_bytes(buffers: Sequence[FusedCommBuffer]) -> int:
 
 
 # --------------------------------------------------------------------------- raw MPI
+def segmented_allreduce(comm: MPI.Comm, buf: np.ndarray, seg_bytes: int,
+                        scale: Optional[float] = None) -> Callable[[], None]:
+    """Blocking in-place ``Allreduce`` of ``buf`` in segments, each scaled while in cache
+    when ``scale`` is given (one segment >= the buffer: one call + one pass)."""
+    step = max(1, seg_bytes // buf.itemsize)
+    f = None if scale is None else buf.dtype.type(scale)
+
+    def run() -> None:
+        for s in range(0, buf.size, step):
+            v = buf[s:s + step]
+            comm.Allreduce(MPI.IN_PLACE, [v, MPI.FLOAT])
+            if f is not None:
+                v *= f
+    return run
+
+
+def segmented_reduce(comm: MPI.Comm, buf: np.ndarray, seg_bytes: int,
+                     scale: Optional[float] = None) -> Callable[[], None]:
+    """Blocking in-place ``Reduce`` to rank 0 in segments; the root scales what it received
+    when ``scale`` is given."""
+    step = max(1, seg_bytes // buf.itemsize)
+    root = comm.Get_rank() == 0
+    f = None if scale is None else buf.dtype.type(scale)
+
+    def run() -> None:
+        for s in range(0, buf.size, step):
+            v = buf[s:s + step]
+            if root:
+                comm.Reduce(MPI.IN_PLACE, [v, MPI.FLOAT], root=0)
+                if f is not None:
+                    v *= f
+            else:
+                comm.Reduce([v, MPI.FLOAT], None, root=0)
+    return run
+
+
+def reduce_scatter_allgather(comm: MPI.Comm, buf: np.ndarray,
+                             scale: Optional[float] = None) -> Callable[[], None]:
+    """``Reduce_scatter_block`` + in-place ``Allgather`` of ``buf`` (a multiple of the rank
+    count), one call each; with ``scale`` the own shard is scaled in between."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    shard = np.empty(buf.size // n, buf.dtype)
+    mine = buf[rank * shard.size:(rank + 1) * shard.size]
+    f = None if scale is None else buf.dtype.type(scale)
+
+    def run() -> None:
+        comm.Reduce_scatter_block([buf, MPI.FLOAT], [shard, MPI.FLOAT])
+        if f is not None:
+            np.multiply(shard, f, out=mine)
+        comm.Allgather(MPI.IN_PLACE, [buf, MPI.FLOAT])
+    return run
+
+
+def best_per_round(entries: Sequence[dict]) -> dict:
+    """The fastest of several ``timeit_many`` results in each round, as one result."""
+    rounds = len(entries[0]["times_s"])
+    times = [min(e["times_s"][i] for e in entries) for i in range(rounds)]
+    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times}
+
+
 def raw_candidates(comm: MPI.Comm, nbytes: int, params: Sequence[Param], scale: float,
                    segments: Sequence[int]) -> Dict[str, Callable[[], Any]]:
     """The ways to hand the same bytes to MPI directly (no mpifusion), by name."""
@@ -157,15 +217,7 @@ def raw_candidates(comm: MPI.Comm, nbytes: int, params: Sequence[Param], scale: 
     f = np.float32(scale)
 
     def segmented(seg_bytes: int, with_scale: bool) -> Callable[[], None]:
-        step = seg_bytes // 4
-
-        def run() -> None:
-            for s in range(0, buf.size, step):
-                v = buf[s:s + step]
-                comm.Allreduce(MPI.IN_PLACE, [v, MPI.FLOAT])
-                if with_scale:
-                    v *= f
-        return run
+        return segmented_allreduce(comm, buf, seg_bytes, scale if with_scale else None)
 
     cands: Dict[str, Callable[[], Any]] = {
         "Allreduce (blocking, one call)": lambda: comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT]),
@@ -207,29 +259,11 @@ def raw_candidates(comm: MPI.Comm, nbytes: int, params: Sequence[Param], scale: 
 def raw_other(comm: MPI.Comm, nbytes: int) -> Dict[str, Callable[[], Any]]:
     """Raw floors for REDUCE and REDUCE_SCATTER + allgather on the same bytes."""
     n = comm.Get_size()
-    count = (nbytes // 4) // n * n
-    buf = np.ones(count, np.float32)
-    shard = np.empty(count // n, np.float32)
-    step = 8 * MiB // 4
-    rank = comm.Get_rank()
-
-    def reduce_seg() -> None:
-        for s in range(0, buf.size, step):
-            v = [buf[s:s + step], MPI.FLOAT]
-            if rank == 0:
-                comm.Reduce(MPI.IN_PLACE, v, root=0)
-            else:
-                comm.Reduce(v, None, root=0)
-
-    def rs_ag() -> None:
-        comm.Reduce_scatter_block([buf, MPI.FLOAT], [shard, MPI.FLOAT])
-        comm.Allgather(MPI.IN_PLACE, [buf, MPI.FLOAT])
-
-    return {"REDUCE raw: Reduce (blocking, 8 MiB segments)": reduce_seg,
-            "REDUCE raw: Reduce (blocking, one call)": lambda: comm.Reduce(
-                MPI.IN_PLACE if rank == 0 else [buf, MPI.FLOAT],
-                [buf, MPI.FLOAT] if rank == 0 else None, root=0),
-            "REDUCE_SCATTER raw: Reduce_scatter_block + Allgather (one call each)": rs_ag}
+    buf = np.ones((nbytes // 4) // n * n, np.float32)
+    return {"REDUCE raw: Reduce (blocking, 8 MiB segments)": segmented_reduce(comm, buf, 8 * MiB),
+            "REDUCE raw: Reduce (blocking, one call)": segmented_reduce(comm, buf, buf.nbytes),
+            "REDUCE_SCATTER raw: Reduce_scatter_block + Allgather (one call each)":
+                reduce_scatter_allgather(comm, buf)}
 
 
 def gloo_allreduce(comm: MPI.Comm, nbytes: int) -> Optional[dict]:
@@ -864,16 +898,13 @@ def targets(res: dict) -> List[Target]:
         Target("naive flat Iallreduce / ALL_REDUCE step",
                round_ratio(raw["Iallreduce (naive, one call)"], step), ">= 3", big),
     ]
-    for act, prefix in (("REDUCE", "REDUCE raw"), ("REDUCE_SCATTER", "REDUCE_SCATTER raw")):
-        mine = steps.get(f"{act}{' + sync_params' if act == 'REDUCE_SCATTER' else ''} "
-                         f"[{_DEFAULT}]")
+    for label, prefix in (("REDUCE", "REDUCE raw"),
+                          ("REDUCE_SCATTER + sync_params", "REDUCE_SCATTER raw")):
+        mine = steps.get(f"{label} [{_DEFAULT}]")
         floors = [raw[k] for k in raw if k.startswith(prefix)]
         if mine and floors:  # per round: the best raw way of that round (no 1/n in raw)
-            best = {"times_s": [min(f["times_s"][i] for f in floors)
-                                for i in range(len(mine["times_s"]))]}
-            out.append(Target(f"{act}{' + sync_params' if act == 'REDUCE_SCATTER' else ''}"
-                              f" step / best raw {act} (raw without 1/n)",
-                              round_ratio(mine, best), "<= 1.15", big))
+            out.append(Target(f"{label} step / best raw {label.split()[0]} (raw without 1/n)",
+                              round_ratio(mine, best_per_round(floors)), "<= 1.15", big))
     gloo_key = next((k for k in raw if "gloo" in k), None)
     if gloo_key:
         out.append(Target("torch gloo all_reduce / ALL_REDUCE step",
