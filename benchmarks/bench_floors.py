@@ -36,22 +36,21 @@ MiB = 1 << 20
 SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
 
 
-def allreduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
-    buf = np.ones(count, np.float32)
-    f = 1.0 / comm.Get_size()
-    ways = {f"Allreduce {s // MiB} MiB segments + 1/n": segmented_allreduce(comm, buf, s, f)
-            for s in SEGMENTS}
-    ways["Allreduce one call + 1/n pass"] = segmented_allreduce(comm, buf, buf.nbytes, f)
-    return ways
+def _segmented_floors(call: str, runner: Callable[..., Callable[[], None]]
+                      ) -> Callable[[MPI.Comm, int], Dict[str, Callable[[], None]]]:
+    """The floors of one blocking call: in 2/4/8 MiB segments, or one call, each + 1/n."""
+    def floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
+        buf = np.ones(count, np.float32)
+        f = 1.0 / comm.Get_size()
+        ways = {f"{call} {s // MiB} MiB segments + 1/n": runner(comm, buf, s, f)
+                for s in SEGMENTS}
+        ways[f"{call} one call + 1/n pass"] = runner(comm, buf, buf.nbytes, f)
+        return ways
+    return floors
 
 
-def reduce_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
-    buf = np.ones(count, np.float32)
-    f = 1.0 / comm.Get_size()
-    ways = {f"Reduce {s // MiB} MiB segments + 1/n": segmented_reduce(comm, buf, s, f)
-            for s in SEGMENTS}
-    ways["Reduce one call + 1/n pass"] = segmented_reduce(comm, buf, buf.nbytes, f)
-    return ways
+allreduce_floors = _segmented_floors("Allreduce", segmented_allreduce)
+reduce_floors = _segmented_floors("Reduce", segmented_reduce)
 
 
 def reduce_scatter_floors(comm: MPI.Comm, count: int) -> Dict[str, Callable[[], None]]:
