@@ -83,30 +83,50 @@ def _land(w: Any, scale: Optional[float], out: Any) -> None:
         halfcast.narrow(w, out)  # round to nearest even, as out[...] = w
 
 
+def _reduce_call(w: Any, root: Optional[int], lands: bool, land: Any) -> Tuple[Any, ...]:
+    """The in-place sum of segment ``w``: to every rank, or to ``root`` (``lands``: this is
+    the root)."""
+    if root is None:
+        return ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
+    if lands:
+        return ("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root}, land)
+    return ("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
+
+
 def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[int],
-                     rank: int, window: int = 1, device: Optional[Device] = None) -> Steps:
+                     rank: int, window: int = 1, device: Optional[Device] = None,
+                     sent_scale: Optional[float] = None) -> Steps:
     """Allreduce (``root is None``) or reduce to ``root``, one segment at a time, pipelined:
     up to ``window`` segments in flight; each reduced segment is scaled (and rounded back,
-    for half precision) while it is still in cache. A device buffer on an MPI that is not
-    CUDA-aware (or any buffer, given a staging ``device``) goes through
-    ``staging.StagedSegments``: its copies overlap the reduction of other segments."""
+    for half precision) while it is still in cache. ``sent_scale``: a reduce's non-root
+    ranks scale their own values by it, each segment once it was sent (still in cache), so
+    a caller that scales every rank's buffer after a reduce (Paddle does) makes no second
+    pass over it. A device buffer on an MPI that is not CUDA-aware (or any buffer, given a
+    staging ``device``) goes through ``staging.StagedSegments``: its copies overlap the
+    reduction of other segments."""
     flat = buf.reshape(-1)
     lands = root is None or root == rank
+    own = None if lands else sent_scale
+    if (flat.size <= seg and device is None and flat.dtype.char in _MPI_TYPES
+            and not backend.is_cupy(flat)):
+        # one host segment in place (most small buffers): the same call, without the ring
+        factor = scale if lands else own
+        yield _reduce_call(flat, root, lands,
+                           None if factor is None else partial(backend.scale_, flat, factor))
+        return
     if device is not None or _staged(flat):
         source: Any = StagedSegments.of_buffer(flat, seg, window, scale if lands else None,
                                                lands, device or CupyDevice(flat))
-    else:
-        source = _HostSegments(flat, seg, window, scale, lands)
+    else:  # a non-root's sent segment is scaled in place (half: from its fp32 copy, rounded once)
+        source = _HostSegments(flat, seg, window, scale if lands else own,
+                               lands or own is not None)
     for w, _recv, land in source.segments():
-        if root is None:
-            yield ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
-        elif lands:
-            yield ("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root}, land)
-        else:
-            yield ("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
+        yield _reduce_call(w, root, lands, land)
     if isinstance(source, StagedSegments) or backend.is_cupy(flat):
         yield FENCE  # every segment landed (its copy back or its kernels were started)
         source.finish()
+        if isinstance(source, StagedSegments) and own is not None:
+            backend.scale_(flat, own)  # on the device: nothing was copied back to scale
     cuda.synchronize(buf)
 
 

@@ -29,7 +29,6 @@ announcements, so building a buffer never meets another buffer's collectives in 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -44,7 +43,7 @@ from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
 from .engines import _ThreadEngine, engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
-from .task import CommTask, Steps
+from .task import CommTask, Latch, Steps
 
 logger = logging.getLogger("mpifusion")
 
@@ -227,14 +226,14 @@ class Communicator:
                         timeout=self.timeout)
         task.window = self.window
         if self._negotiator is not None:
-            task._event = threading.Event()
+            task._event = Latch()
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
                                    + _ITEM_KIND.get(desc[0], 3), task)
             return task
         if self.verify and self.size > 1:
             task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
         if (self.timeout is None and isinstance(self._engine, _ThreadEngine)
-                and sum(getattr(a, "nbytes", 0) for a in keep) <= INLINE_MAX_BYTES):
+                and sum([a.nbytes for a in keep]) <= INLINE_MAX_BYTES):
             self._engine.submit(task, inline=True)  # a waiting caller may run it itself
         else:
             self._engine.submit(task)
@@ -250,14 +249,17 @@ class Communicator:
                            (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
-               name: str = "reduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
+               name: str = "reduce", tag: Tuple[int, int] = (-1, -1),
+               sent_scale: Optional[float] = None) -> CommTask:
+        """Sum to ``root``, ``scale`` applied there; the other ranks keep their own values,
+        scaled by ``sent_scale`` if given (each segment after it was sent, in cache)."""
         if (isinstance(root, bool) or not isinstance(root, (int, np.integer))
                 or not 0 <= root < self.size):
             raise OptionError(f"rank {self.rank}: {name}: root expected a rank in [0, {self.size}), "
                             f"got {root!r}")
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=int(root),
-                                 rank=self.rank, window=self.window)
+                                 rank=self.rank, window=self.window, sent_scale=sent_scale)
         return self._start(steps, (buf,), name,
                            (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag))
 

@@ -24,11 +24,12 @@ import threading
 import time
 from typing import Deque, Dict, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from ..errors import AbandonedError, CommTimeoutError, StateError
 from .poll import Backoff, poll
-from .task import CommTask
+from .task import CommTask, Latch
 
 
 class _Engine:
@@ -45,6 +46,7 @@ class _Engine:
         self.stuck = False              # a wait missed its deadline: exit does not wait
         self.closed = False
         self.negotiator = None          # order.Negotiator on a negotiated communicator
+        self.check_scratch = np.empty(4, dtype=np.uint64)  # the order check's send + receive
 
     def _check_open(self) -> None:
         if self.abandoned is not None:
@@ -60,7 +62,7 @@ class _Engine:
         task.seq = self.seq
         self.seq += 1
         if task._event is None:
-            task._event = threading.Event()
+            task._event = Latch()
 
     def _refused(self) -> AbandonedError:
         return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
@@ -386,6 +388,7 @@ class _ThreadEngine(_Engine):
                             and self.tasks[0] is task and self.running.acquire(blocking=False))
                 if mine:
                     todo.popleft()
+                    task._stealable = False
                 else:
                     task._stealable = False  # waited for: the thread takes it at once
                     self.bell.put(True)
@@ -395,6 +398,7 @@ class _ThreadEngine(_Engine):
                 finally:
                     self.running.release()
                 task._event.set()
+                return  # finished tasks leave ``tasks`` at the next start or wait
         if not task._event.wait(timeout):
             raise task._timeout_error(timeout)
         self.progress()

@@ -233,11 +233,11 @@ class StartTracker:
             return
         with self.lock:
             try:
-                buf = np.empty(3, dtype=np.int64)
                 # two passes: one probe may only progress a message that arrived meanwhile
                 for _ in range(2):
                     while self.comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG, self._probe):
                         src = self._probe.Get_source()
+                        buf = np.empty(3, dtype=np.int64)
                         self.comm.Recv([buf, MPI.INT64_T], src, ANNOUNCE_TAG)
                         key, seq, kind = (int(v) for v in buf)
                         if kind == self.ABANDONED:

@@ -87,8 +87,10 @@ def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.
     """``steps`` preceded by the order check (one all-reduce of two uint64)."""
     values = (task.seq, *desc)
     h = fingerprint(values)
-    send = np.array([h, h ^ _MASK], dtype=np.uint64)
-    recv = np.empty(2, dtype=np.uint64)
+    # the engine's scratch: its tasks run one at a time, and this is a fence
+    scratch = task._engine.check_scratch
+    send, recv = scratch[:2], scratch[2:]
+    send[0], send[1] = h, h ^ _MASK
     yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
     if int(recv[0]) ^ _MASK != int(recv[1]):
         row = np.array(values, dtype=np.int64)

@@ -587,8 +587,10 @@ class FusedCommBuffer(ShardedParams):
             backend.scale_(self.grad_storage, 1.0 / n)
         # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
         # while it is still wide (fp32 for half buffers: one rounding) and in cache;
-        # scale_grads scales the regions that received no result (Paddle scales the whole buffer)
+        # scale_grads scales the regions that received no result (Paddle scales the whole
+        # buffer); a reduce's non-root ranks have the collective scale theirs, in cache
         avg = 1.0 / n if (self._use_reduce_avg or self._scale_after_comm) else None
+        own = 1.0 / n if (self._scale_after_comm and not self._use_reduce_avg) else None
         name = f"buffer {self._id} {self._act.name.lower()}"
         self._task_seq = self._start_collective()
         if self._act == HookAction.ALL_REDUCE:
@@ -596,7 +598,7 @@ class FusedCommBuffer(ShardedParams):
                                               tag=(self._id, self._step))
         elif self._act == HookAction.REDUCE:
             self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name,
-                                           tag=(self._id, self._step))
+                                           tag=(self._id, self._step), sent_scale=own)
         else:
             begin, end = self.layout.shard_range(self._comm.rank)
             if self._free_grads_in_comm:
@@ -647,7 +649,7 @@ class FusedCommBuffer(ShardedParams):
         if self._act == HookAction.ALL_REDUCE:
             return []
         if self._act == HookAction.REDUCE:
-            return [] if self._comm.rank == self._dst else [self.grad_storage]
+            return []  # the root's result was scaled, the others' own values too (sent_scale)
         if self._grads_are_shard:  # free_grads_in_comm: only the (reduced) shard is left
             return []
         begin, end = self.layout.shard_range(self._comm.rank)

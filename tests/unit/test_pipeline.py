@@ -423,6 +423,35 @@ def test_staging_pipeline_results_and_overlap(lazy, dtype, numel, seg, window, r
     _check_overlap(devs[0], issued, nseg, window, lands=root is None)
 
 
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("dtype", [float32, np.float64, float16, bfloat16])
+@pytest.mark.parametrize("numel,seg,window", [(1000, 96, 1), (1000, 96, 3), (50, 96, 2),
+                                              (17, 4, 2)])
+def test_reduce_non_root_scales_what_it_sent(staged, dtype, numel, seg, window):
+    """``sent_scale``: a non-root rank ends with its own values times the factor, rounded
+    once from fp32 for half precision (what scaling the whole buffer afterwards gives); the
+    root's result is untouched by it; nothing changes a segment while MPI reads it."""
+    from mpifusion.comm.collectives import allreduce_steps
+
+    nranks, root, third = 3, 1, 1.0 / 3
+    rng = np.random.default_rng(numel * 7 + seg)
+    data = [_fill(rng, numel, dtype) for _ in range(nranks)]
+    bufs = [d.copy() for d in data]
+    devs = [FakeDevice(False) if staged else None for _ in range(nranks)]
+    gens = [allreduce_steps(b, 0.5, seg, root, r, window=window, device=dv, sent_scale=third)
+            for r, (b, dv) in enumerate(zip(bufs, devs))]
+    _simulate(gens, window, lambda step: None)
+    total = np.sum([d.astype(np.float64) for d in data], axis=0) * 0.5
+    for r, (b, d) in enumerate(zip(bufs, data)):
+        if r == root:
+            want = total.astype(dtype)
+        elif np.dtype(dtype).itemsize < 4:
+            want = (d.astype(np.float32) * np.float32(third)).astype(dtype)
+        else:
+            want = d * np.dtype(dtype).type(third)
+        np.testing.assert_array_equal(b.view(np.uint8), want.view(np.uint8), err_msg=f"rank {r}")
+
+
 #: (shard, seg, window): shards a piece does not divide, a piece (seg // nranks) larger
 #: than the shard, seg below nranks (pieces of one element), an empty shard
 RS_CASES = [(37, 16, 1), (37, 16, 2), (37, 16, 8), (10, 96, 2), (1, 8, 3), (100, 24, 3),
