@@ -55,6 +55,34 @@ _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER:
 INLINE_MAX_BYTES = 64 << 10
 
 
+def has_isendrecv() -> bool:
+    """Whether this MPI has ``MPI_Isendrecv`` (MPI-4.0; Open MPI 5 has it though it reports
+    MPI 3.1), tried once on COMM_SELF."""
+    global _ISENDRECV
+    if _ISENDRECV is None:
+        a, b = np.zeros(1, np.float32), np.empty(1, np.float32)
+        try:
+            MPI.COMM_SELF.Isendrecv([a, MPI.FLOAT], 0, 0, [b, MPI.FLOAT], 0, 0).Wait()
+            _ISENDRECV = True
+        except (NotImplementedError, MPI.Exception):
+            _ISENDRECV = False
+    return _ISENDRECV
+
+
+_ISENDRECV: Optional[bool] = None
+
+
+def allreduce_way(choice: str, strategy: str) -> str:
+    """``CommOptions.allreduce`` resolved: ``auto`` is ``ring`` for ``nonblocking`` on Open
+    MPI (its libnbc Iallreduce is the slow path measured in BENCHMARKS.md) where the library
+    has Isendrecv, else ``mpi``. The same on every rank (the agreement check compares it)."""
+    if choice != "auto":
+        return choice
+    if strategy == "nonblocking" and MPI.get_vendor()[0] == "Open MPI" and has_isendrecv():
+        return "ring"
+    return "mpi"
+
+
 _MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
 
 
@@ -103,6 +131,12 @@ class Communicator:
         self.segment_bytes = options.segment
         # segments in flight per collective: the thread runs one blocking call at a time
         self.window = options.window if self.strategy == "nonblocking" else 1
+        self.allreduce_way = allreduce_way(options.allreduce, self.strategy)
+        if (self.allreduce_way == "ring" and self.strategy == "nonblocking"
+                and not has_isendrecv()):
+            raise OptionError(f"rank {comm.Get_rank()}: allreduce 'ring' with the "
+                              f"'nonblocking' strategy: expected an MPI with MPI_Isendrecv "
+                              f"(MPI-4.0), this one has none (use allreduce='mpi')")
         self.timeout = options.timeout
         self.user_comm = comm
         self.rank = comm.Get_rank()
@@ -124,7 +158,7 @@ class Communicator:
         return [("strategy", self.strategy),
                 ("segment_bytes", "machine default (smallest over ranks)" if explicit is None
                  else str(explicit)),
-                ("window", str(self.window)),
+                ("window", str(self.window)), ("allreduce", self.allreduce_way),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -244,7 +278,9 @@ class Communicator:
                   name: str = "allreduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank,
-                                window=self.window)
+                                window=self.window,
+                                ring=self.size if (self.allreduce_way == "ring"
+                                                   and buf.nbytes > INLINE_MAX_BYTES) else 0)
         return self._start(steps, (buf,), name,
                            (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
 

@@ -204,7 +204,10 @@ class _NonBlockingEngine(_Engine):
                 continue
             self.moves += 1
             task._blocked = len(step) == 3
-            inflight.append((request, step[3] if len(step) > 3 else None))
+            # the call's arguments stay referenced until it landed: mpi4py keeps no
+            # reference to a non-blocking call's arrays, and a scratch slot whose only other
+            # owner was the finished generator would be freed (and reused) while MPI reads it
+            inflight.append((request, step[3] if len(step) > 3 else None, step[1]))
         task._event.set()
         return True
 

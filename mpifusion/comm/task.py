@@ -110,7 +110,7 @@ class CommTask:
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
                  timeout: Optional[float] = None) -> None:
         self.name = name
-        self._requests: Any = collections.deque()  # nonblocking engine: (request, land), oldest first
+        self._requests: Any = collections.deque()  # nonblocking: (request, land, args), oldest first
         self._keep = list(keep)
         self._finish: Optional[Callable[[], None]] = None
         self._done = False          # completed and cleaned up (callbacks ran)

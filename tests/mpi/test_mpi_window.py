@@ -6,6 +6,8 @@ through a fake device.
 
 Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_mpi_window.py``.
 """
+import hashlib
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -175,3 +177,42 @@ def test_window_disagreement_is_refused():
     with pytest.raises(AgreementError, match="window"):
         Communicator(world, CommOptions(strategy="nonblocking", segment_bytes=SEGMENT,
                                         window=2 if world.Get_rank() == 0 else 3, timeout=30))
+
+
+RING_SIZES = [16385, 40000]  # just over the 64 KiB below which the library's call is kept
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("strategy,window", [("thread", 1), ("nonblocking", 1),
+                                             ("nonblocking", 2), ("nonblocking", 8)])
+def test_ring_allreduce_against_float64(strategy, window, dtype):
+    """allreduce='ring' through the real engines and MPI: the float64 reference (exact on
+    these values, then one scaling and rounding), and the same bits on every rank."""
+    if strategy == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("thread strategy needs MPI_THREAD_MULTIPLE")
+    try:
+        comm = Communicator(MPI.COMM_WORLD, CommOptions(strategy=strategy, window=window,
+                                                        segment_bytes=8192, allreduce="ring"))
+    except Exception as exc:  # an MPI without Isendrecv refuses ring + nonblocking
+        assert "Isendrecv" in str(exc)
+        pytest.skip(str(exc))
+    assert comm.allreduce_way == "ring"
+    rank, size = comm.rank, comm.size
+    for numel in RING_SIZES:
+        buf = values(rank, numel, dtype)
+        comm.allreduce(buf, scale=1.0 / size).wait(timeout=60)
+        np.testing.assert_array_equal(buf, expected(numel, dtype, size, 1.0 / size),
+                                      err_msg=f"rank {rank}, {numel} elements")
+        digests = MPI.COMM_WORLD.allgather(hashlib.sha1(buf.tobytes()).hexdigest())
+        assert len(set(digests)) == 1, f"ranks hold different bits: {digests}"
+
+
+def test_allreduce_auto_picks_ring_for_nonblocking_on_open_mpi_only():
+    from mpifusion.comm.communicator import allreduce_way, has_isendrecv
+
+    open_mpi = MPI.get_vendor()[0] == "Open MPI"
+    assert allreduce_way("auto", "thread") == "mpi"
+    assert allreduce_way("auto", "nonblocking") == (
+        "ring" if open_mpi and has_isendrecv() else "mpi")
+    assert allreduce_way("mpi", "nonblocking") == "mpi"
+    assert allreduce_way("ring", "thread") == "ring"

@@ -2,7 +2,9 @@
 staging pipeline (a fake device that runs copies late or early and logs their order), the
 window option, and the one poll-with-backoff helper."""
 import collections
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -119,6 +121,51 @@ def test_engine_keeps_window_in_flight_and_lands_in_order(window):
         issued = len(comm.requests)
     assert landed == list(range(6)) and [a[0] for _, a, _ in comm.requests] == list(range(6))
     task.wait()
+
+
+class ForgetfulComm(FakeComm):
+    """Like mpi4py: a non-blocking call keeps no reference to its arrays (only a weak one
+    here, to see whether anything else does)."""
+
+    def __getattr__(self, name):
+        if not name.startswith("I"):
+            raise AttributeError(name)
+
+        def issue(*args, **kwargs):
+            r = FakeRequest(self, len(self.requests))
+            refs = [weakref.ref(a[0].base) for a in args if isinstance(a, list)]
+            self.requests.append((name, refs, r))
+            return r
+        return issue
+
+
+def _scratch_steps(count):
+    """Calls on views of a scratch array only this generator holds (as the collectives'
+    rings are), and nothing after the last call: the generator ends while they fly."""
+    scratch = np.arange(16, dtype=np.float32)
+    for k in range(count):
+        yield ("Allreduce", ([scratch[k:k + 4], None],), {}, None)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_engine_keeps_a_calls_arrays_alive_until_it_lands(window):
+    """Regression: the last pipelined calls of a reduce-scatter read scratch that was freed
+    when its generator ended (Open MPI, 4 ranks, window 8: wrong sums in the last piece)."""
+    comm = ForgetfulComm()
+    engine = _NonBlockingEngine(comm, progress_thread=False)
+    task = _task(engine, _scratch_steps(3), window)
+    engine.submit(task)
+    while not task._finished():
+        gc.collect()
+        for _, refs, r in comm.requests:
+            if not r.done:
+                assert all(ref() is not None for ref in refs), "freed while in flight"
+        pending = [r for _, _, r in comm.requests if not r.done]
+        pending[0].done = True
+        engine.progress()
+    task.wait()
+    gc.collect()
+    assert all(ref() is None for _, refs, _ in comm.requests for ref in refs)
 
 
 def test_fence_waits_for_everything_before_it():
@@ -304,7 +351,16 @@ def _buf(arg):
 def _run_call(calls):
     """Complete one collective call issued by every simulated rank (``calls[r]``)."""
     name, args = calls[0][0], [c[1] for c in calls]
-    if name == "Reduce_scatter_block":
+    if name == "Sendrecv":  # (send, dest, tag, recv, source, tag): one ring step
+        sends = [_buf(a[0]).copy() for a in args]
+        for r, a in enumerate(args):
+            src = a[4]
+            assert args[src][1] == r and a[2] == args[src][5]  # the source sends here
+            out = _buf(a[3])
+            assert not np.shares_memory(out, _buf(a[0]))
+            assert out.size == sends[src].size
+            out[...] = sends[src]
+    elif name == "Reduce_scatter_block":
         sends, recvs = [_buf(a[0]) for a in args], [_buf(a[1]) for a in args]
         total = np.sum([b.astype(np.float64) for b in sends], axis=0)
         n = recvs[0].size
@@ -450,6 +506,33 @@ def test_reduce_non_root_scales_what_it_sent(staged, dtype, numel, seg, window):
         else:
             want = d * np.dtype(dtype).type(third)
         np.testing.assert_array_equal(b.view(np.uint8), want.view(np.uint8), err_msg=f"rank {r}")
+
+
+@pytest.mark.parametrize("dtype", [float32, np.float64, float16, bfloat16])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("numel,seg,window", [(1000, 96, 1), (1000, 96, 3), (50, 96, 2),
+                                              (301, 100, 8), (17, 4, 2), (5, 3, 2), (0, 8, 2)])
+def test_ring_allreduce_sums_every_chunk_once(dtype, nranks, numel, seg, window):
+    """The ring (allreduce='ring'): every rank ends with the same bits, equal to the float64
+    sum (exact on these values), scaled and rounded once; chunks smaller than one element
+    per rank, segments the ranks do not divide, windows wider than the segments."""
+    from mpifusion.comm.collectives import allreduce_steps
+
+    rng = np.random.default_rng(numel * 31 + nranks + seg)
+    data = [_fill(rng, numel, dtype) for _ in range(nranks)]
+    ref = np.sum([d.astype(np.float64) for d in data], axis=0) * 0.5
+    bufs = [d.copy() for d in data]
+    gens = [allreduce_steps(b, 0.5, seg, None, r, window=window, ring=nranks)
+            for r, b in enumerate(bufs)]
+    calls = []
+    _simulate(gens, window, calls.append)
+    for r, b in enumerate(bufs):
+        np.testing.assert_array_equal(b.view(np.uint8), bufs[0].view(np.uint8),
+                                      err_msg=f"rank {r}")
+    np.testing.assert_array_equal(bufs[0].astype(np.float64), ref.astype(dtype).astype(np.float64))
+    segments = -(-numel // seg) if numel else 0
+    assert len(calls) == segments * 2 * (nranks - 1)
+    assert all(c[0] == "Sendrecv" for c in calls)
 
 
 #: (shard, seg, window): shards a piece does not divide, a piece (seg // nranks) larger
