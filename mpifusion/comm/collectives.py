@@ -109,7 +109,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     lands = root is None or root == rank
     own = None if lands else sent_scale
     if ring and root is None and device is None and not backend.is_cupy(flat):
-        yield from _ring_allreduce(flat, scale, seg, rank, ring, window)
+        yield from _ring_allreduce(flat, scale, seg, rank, ring)
         return
     if (flat.size <= seg and device is None and flat.dtype.char in _MPI_TYPES
             and not backend.is_cupy(flat)):
@@ -138,51 +138,35 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
 RING_TAG = 7
 
 
-def _ring_allreduce(flat: Any, scale: Optional[float], seg: int, rank: int, nranks: int,
-                    window: int) -> Steps:
-    """All-reduce by a ring of ``Sendrecv`` (``Isendrecv`` when non-blocking), ``window``
-    segments side by side: each segment cut into ``nranks`` chunks (sizes differing by at
-    most one), ``nranks - 1`` rounds of reduce-scatter (send a chunk right, receive the left
-    neighbour's into scratch, add it), then ``nranks - 1`` rounds of all-gather. Every chunk
-    is summed in one place, in ring order, and copied to the others, so every rank holds the
-    same bits. Why: point-to-point calls are progressed well by every MPI, where Open MPI's
-    non-blocking all-reduce (libnbc) is 2-6x its blocking one here (BENCHMARKS.md)."""
-    source = _HostSegments(flat, seg, window, scale, True)
+def _ring_allreduce(flat: Any, scale: Optional[float], seg: int, rank: int,
+                    nranks: int) -> Steps:
+    """All-reduce by a ring of ``Sendrecv`` (``Isendrecv`` when non-blocking), one segment at
+    a time: the segment cut into ``nranks`` chunks (sizes differing by at most one),
+    ``nranks - 1`` rounds of reduce-scatter (send a chunk right, receive the left neighbour's
+    into scratch, add it), then ``nranks - 1`` rounds of all-gather, each round a fence (it
+    sends what the previous one summed). Every chunk is summed in one place, in ring order,
+    and copied to the others, so every rank holds the same bits. Why: point-to-point calls
+    are progressed well by every MPI, where Open MPI's non-blocking all-reduce (libnbc) is
+    2-6x its blocking one here. Segments side by side (a window) were slower: 1.4-1.6x the
+    ``thread`` step at 2-4 in flight against 1.0-1.2x one at a time (BENCHMARKS.md)."""
+    source = _HostSegments(flat, seg, 1, scale, True)
     wide = np.float64 if flat.dtype == np.float64 else float32
-    slots = max(1, min(window, -(-flat.size // seg) if flat.size else 1))
-    scratch = _ring(slots, -(-min(seg, flat.size) // nranks), wide, flat)
-    group: list = []
-    for item in source.segments():
-        group.append(item)
-        if len(group) == slots:
-            yield from _ring_rounds(group, scratch, rank, nranks)
-            group = []
-    if group:
-        yield from _ring_rounds(group, scratch, rank, nranks)
+    scratch = _ring(1, -(-min(seg, flat.size) // nranks), wide, flat)[0]
+    right, left = (rank + 1) % nranks, (rank - 1) % nranks
+    for w, _recv, land in source.segments():
+        cuts = [i * w.size // nranks for i in range(nranks + 1)]
 
+        def chunk(c: int) -> Any:
+            return w[cuts[c]:cuts[c + 1]]
 
-def _ring_rounds(group: list, scratch: list, rank: int, n: int) -> Steps:
-    """The ring's rounds for up to ``window`` segments at once (one call per segment per
-    round, then a fence: a round sends what the previous one summed), then their landings."""
-    right, left = (rank + 1) % n, (rank - 1) % n
-    cuts = [[i * w.size // n for i in range(n + 1)] for w, _r, _l in group]
-
-    def chunk(j: int, c: int) -> Any:
-        return group[j][0][cuts[j][c]:cuts[j][c + 1]]
-
-    for k in range(n - 1):  # reduce-scatter: afterwards chunk (rank + 1) % n is summed here
-        for j in range(len(group)):
-            mine, theirs = chunk(j, (rank - k - 1) % n), chunk(j, (rank - k) % n)
-            t = scratch[j][:mine.size]
-            yield ("Sendrecv", (_spec(theirs), right, RING_TAG, _spec(t), left, RING_TAG), {},
-                   partial(np.add, mine, t, out=mine))
-        yield FENCE
-    for k in range(n - 1):  # all-gather: pass the summed chunks on around the ring
-        for j in range(len(group)):
-            yield ("Sendrecv", (_spec(chunk(j, (rank - k + 1) % n)), right, RING_TAG,
-                                _spec(chunk(j, (rank - k) % n)), left, RING_TAG), {}, None)
-        yield FENCE
-    for _w, _r, land in group:
+        for k in range(nranks - 1):  # reduce-scatter: then chunk (rank + 1) % n is summed here
+            mine, theirs = chunk((rank - k - 1) % nranks), chunk((rank - k) % nranks)
+            t = scratch[:mine.size]
+            yield ("Sendrecv", (_spec(theirs), right, RING_TAG, _spec(t), left, RING_TAG), {})
+            np.add(mine, t, out=mine)
+        for k in range(nranks - 1):  # all-gather: pass the summed chunks on around the ring
+            yield ("Sendrecv", (_spec(chunk((rank - k + 1) % nranks)), right, RING_TAG,
+                                _spec(chunk((rank - k) % nranks)), left, RING_TAG), {})
         if land is not None:
             land()
 

@@ -41,6 +41,7 @@ from mpi4py import MPI
 
 from .. import config as commlib
 from ..comm import Communicator
+from ..comm.communicator import allreduce_way
 from ..config import CommOptions, OptionError
 from ..runtime.buffer import FusedCommBuffer, HookAction
 from ..dtypes import as_dtype
@@ -123,7 +124,8 @@ def build_buffers(params: Sequence[Param], act: HookAction, group_bytes: int, co
     groups = assign_group_by_size(list(params), group_size=group_bytes)
     dst = 0 if act == HookAction.REDUCE else -1
     options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True),
-                          window=kwargs.pop("window", None) or commlib.DEFAULT_WINDOW)
+                          window=kwargs.pop("window", None) or commlib.DEFAULT_WINDOW,
+                          allreduce=kwargs.pop("allreduce", "auto"))
     buffers = [FusedCommBuffer(i, plist, comm, act=act, dst=dst, comm_options=options, **kwargs)
                for i, plist in groups.items()]
     for b in buffers:  # real pages with real values, as after a backward pass
@@ -748,6 +750,11 @@ def measure_window_sweep(b: Bench) -> None:
     for w in b.s.windows:
         keep.append(b.buffers(HookAction.ALL_REDUCE, "nonblocking", window=w))
         fns[f"ALL_REDUCE [nonblocking, window {w}]"] = (
+            lambda bufs=keep[-1]: full_step(bufs, False))
+    if allreduce_way("auto", "nonblocking") == "ring":  # the library's path it replaces
+        w = commlib.DEFAULT_WINDOW
+        keep.append(b.buffers(HookAction.ALL_REDUCE, "nonblocking", window=w, allreduce="mpi"))
+        fns[f"ALL_REDUCE [nonblocking, library Iallreduce, window {w}]"] = (
             lambda bufs=keep[-1]: full_step(bufs, False))
     # the library's own floors: the same bytes in the same segments, blocking and all
     # non-blocking at once (what any nonblocking window can at best reach)
