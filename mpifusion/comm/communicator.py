@@ -54,6 +54,8 @@ _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER:
 #: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages)
 INLINE_MAX_BYTES = 64 << 10
 
+_ISENDRECV: Optional[bool] = None
+
 
 def has_isendrecv() -> bool:
     """Whether this MPI has ``MPI_Isendrecv`` (MPI-4.0; Open MPI 5 has it though it reports
@@ -67,9 +69,6 @@ def has_isendrecv() -> bool:
         except (NotImplementedError, MPI.Exception):
             _ISENDRECV = False
     return _ISENDRECV
-
-
-_ISENDRECV: Optional[bool] = None
 
 
 def allreduce_way(choice: str, strategy: str) -> str:
