@@ -16,9 +16,11 @@ from typing import Optional, Sequence
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-#: Open MPI refuses root and oversubscription unless told; MPICH ignores these.
+#: Open MPI refuses root and oversubscription unless told (Open MPI 5's launcher, PRRTE,
+#: reads the last one; the one before is Open MPI 4's); MPICH ignores these.
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+           "OMPI_MCA_rmaps_base_oversubscribe": "1",
+           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
 
 def mpiexec_path() -> str:
