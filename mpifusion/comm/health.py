@@ -106,7 +106,7 @@ def check_agreement(comm: MPI.Comm, entries: list, where: str, timeout: Optional
 
     with lock:
         req = comm.Iallreduce([send, MPI.UINT64_T], [recv, MPI.UINT64_T], op=MPI.MAX)
-    wait_request(req, timeout, late, lock)
+    wait_request(req, timeout, late, lock, keep=(send, recv))
     if recv[0] == ~recv[1]:
         return None if minimum is None else int(~recv[2])
     everyone = _allgather_entries(comm, entries, timeout, late, lock)
@@ -121,22 +121,29 @@ def _allgather_entries(comm: MPI.Comm, entries: list, timeout: Optional[float], 
     """Every rank's description (JSON), with polled non-blocking calls."""
     data = np.frombuffer(json.dumps(entries).encode(), dtype=np.uint8)
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    mine = np.array([data.size], np.int64)  # referenced until the call completes
     with lock:
-        req = comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T],
-                              [sizes, MPI.INT64_T])
-    wait_request(req, timeout, late, lock)
+        req = comm.Iallgather([mine, MPI.INT64_T], [sizes, MPI.INT64_T])
+    wait_request(req, timeout, late, lock, keep=(mine, sizes))
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
     with lock:
         req = comm.Iallgatherv([data, MPI.BYTE], [out, (sizes, offsets), MPI.BYTE])
-    wait_request(req, timeout, late, lock)
+    wait_request(req, timeout, late, lock, keep=(data, out, sizes, offsets))
     return [[tuple(e) for e in json.loads(out[o:o + n].tobytes().decode())]
             for o, n in zip(offsets.tolist(), sizes.tolist())]
 
 
-def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None) -> None:
+#: Requests given up after a timeout, with their arrays: MPI may still read or write them
+#: (a collective cannot be cancelled), so they must never be freed.
+_STRANDED: list = []
+
+
+def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None,
+                 keep: tuple = ()) -> None:
     """Poll ``req`` until done (each test under ``lock``), bounded by ``timeout``;
-    ``message()`` builds the CommTimeoutError text."""
+    ``message()`` builds the CommTimeoutError text. ``keep``: the arrays the call uses,
+    kept alive for good if it times out (mpi4py keeps no reference to them)."""
     if lock is None:
         done = req.Test
     else:
@@ -144,6 +151,7 @@ def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None)
             with lock:
                 return req.Test()
     if not poll(done, timeout, first=1e-5, cap=1e-2):
+        _STRANDED.append((req, keep))
         raise CommTimeoutError(message())
 
 

@@ -168,6 +168,22 @@ def test_engine_keeps_a_calls_arrays_alive_until_it_lands(window):
     assert all(ref() is None for _, refs, _ in comm.requests for ref in refs)
 
 
+def test_a_timed_out_request_keeps_its_arrays_for_good():
+    """The agreement check's calls: a request given up after its deadline may still be
+    written by MPI, so its arrays must outlive the raised CommTimeoutError."""
+    from mpifusion.comm import health
+    from mpifusion.errors import CommTimeoutError
+
+    recv = np.zeros(3, np.uint64)
+    ref = weakref.ref(recv)
+    never = FakeRequest(None, 0)
+    with pytest.raises(CommTimeoutError, match="late"):
+        health.wait_request(never, 0.02, lambda: "late", keep=(recv,))
+    del recv
+    gc.collect()
+    assert ref() is not None and health._STRANDED[-1][0] is never
+
+
 def test_fence_waits_for_everything_before_it():
     comm = FakeComm()
     engine = _NonBlockingEngine(comm, progress_thread=False)
