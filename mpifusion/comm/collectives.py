@@ -186,16 +186,20 @@ def _pieces(flat: Any, seg: int, nranks: int) -> Tuple[Any, int, Callable[[int],
 
 def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg: int,
                           nranks: int, rank: int, window: int = 1,
-                          device: Optional[Device] = None) -> Steps:
+                          device: Optional[Device] = None,
+                          others_scale: Optional[float] = None) -> Steps:
     """Reduce-scatter in rounds: round k packs piece k of every rank's shard (widened to fp32
     for half precision) into a scratch slot, reduce-scatters it, and lands this rank's piece;
     up to ``window`` rounds in flight. Scratch memory: ``window`` x (nranks + 1) pieces,
     whatever the buffer size; aliasing is allowed. A device buffer on an MPI that is not
     CUDA-aware (or any buffer, given a staging ``device``) runs the same rounds through
     ``staging.StagedSegments``: packed and widened on the device, its copies overlapping
-    the reduction of other rounds."""
+    the reduction of other rounds. ``others_scale``: the other ranks' shards of ``sendbuf``
+    (which keep this rank's own values) are scaled by it, each piece right after it was
+    packed, still in cache (Paddle scales the whole buffer afterwards: no second pass)."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
     shard = recv.size
+    others = [r for r in range(nranks) if r != rank] if others_scale is not None else []
     if device is not None or _staged(send):
         grid, count, columns = _pieces(send, seg, nranks)
         staged = StagedSegments(count, lambda k: grid[:, columns(k)],
@@ -205,6 +209,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
             yield ("Reduce_scatter_block", (_spec(w), _spec(r)), {"op": MPI.SUM}, land)
         yield FENCE  # every round landed (its copy back was started)
         staged.finish()
+        for r in others:  # on the device, where they are
+            backend.scale_(grid[r], others_scale)
         cuda.synchronize(recvbuf)
         return
     if send.dtype not in HALF and seg >= send.size:
@@ -215,6 +221,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
             backend.scale_(direct, scale)
         if direct is not recv:
             recv[...] = direct
+        for r in others:  # MPI read them in place: only now
+            backend.scale_(send[r * shard:(r + 1) * shard], others_scale)
         cuda.synchronize(recvbuf)
         return
     half = send.dtype in HALF
@@ -233,6 +241,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
         else:  # half: widen row by row (each row is contiguous)
             for r in range(nranks):
                 halfcast.widen(grid[r, where], block[r])
+        for r in others:  # MPI reads the packed copy: the rows themselves are done with
+            backend.scale_(grid[r, where], others_scale)
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
         o = outs[k % slots][:n]
         yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM},

@@ -300,9 +300,12 @@ class Communicator:
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
                        name: str = "reduce_scatter",
-                       tag: Tuple[int, int] = (-1, -1)) -> CommTask:
+                       tag: Tuple[int, int] = (-1, -1),
+                       others_scale: Optional[float] = None) -> CommTask:
         """Sum ``sendbuf`` over ranks; this rank's equal share lands in ``recvbuf`` (which may
-        be that share of ``sendbuf`` itself)."""
+        be that share of ``sendbuf`` itself), ``scale`` applied to it. The other shares of
+        ``sendbuf`` keep this rank's own values, scaled by ``others_scale`` if given (each
+        piece once packed, in cache)."""
         if sendbuf.size != recvbuf.size * self.size:
             raise OptionError(f"rank {self.rank}: {name}: expected a send buffer of "
                             f"{recvbuf.size * self.size} elements, got {sendbuf.size}")
@@ -311,7 +314,8 @@ class Communicator:
                             f"buffer's dtype {sendbuf.dtype}, got {recvbuf.dtype}")
         cuda.synchronize(sendbuf)
         steps = reduce_scatter_steps(sendbuf, recvbuf, scale, self._segment(sendbuf.dtype),
-                                      self.size, self.rank, window=self.window)
+                                      self.size, self.rank, window=self.window,
+                                      others_scale=others_scale)
         return self._start(steps, (sendbuf, recvbuf), name,
                            (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
                             -1, *tag))

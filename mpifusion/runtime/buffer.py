@@ -586,9 +586,11 @@ class FusedCommBuffer(ShardedParams):
         if not self._scale_after_comm and not self._use_reduce_avg:
             backend.scale_(self.grad_storage, 1.0 / n)
         # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
-        # while it is still wide (fp32 for half buffers: one rounding) and in cache;
-        # scale_grads scales the regions that received no result (Paddle scales the whole
-        # buffer); a reduce's non-root ranks have the collective scale theirs, in cache
+        # while it is still wide (fp32 for half buffers: one rounding) and in cache. Paddle's
+        # scale_grads scales the whole buffer after the wait, so with scale-after-comm the
+        # regions that get no result are scaled too -- also by the collective, in cache: a
+        # reduce's non-root ranks what they sent, a reduce-scatter the other ranks' shards
+        # once packed (free_grads_in_comm drops those regions)
         avg = 1.0 / n if (self._use_reduce_avg or self._scale_after_comm) else None
         own = 1.0 / n if (self._scale_after_comm and not self._use_reduce_avg) else None
         name = f"buffer {self._id} {self._act.name.lower()}"
@@ -605,8 +607,9 @@ class FusedCommBuffer(ShardedParams):
                 shard = backend.empty(end - begin, self.grad_storage.dtype, self.grad_storage)
             else:
                 shard = self.grad_storage[begin:end]
-            self._task = self._comm.reduce_scatter(self.grad_storage, shard, scale=avg, name=name,
-                                                   tag=(self._id, self._step))
+            self._task = self._comm.reduce_scatter(
+                self.grad_storage, shard, scale=avg, name=name, tag=(self._id, self._step),
+                others_scale=None if self._free_grads_in_comm else own)
             if self._free_grads_in_comm:
                 self._pre_comm_grads = self.grad_storage  # until the shard holds the result
                 self.reset_grad_storage(shard)
@@ -638,22 +641,8 @@ class FusedCommBuffer(ShardedParams):
                 raise CheckInError(f"{self._where()}: scale_grads: all params checked in but "
                                    f"communication was not started (add_grad with "
                                    f"use_comm=False needs an explicit comm_grads())")
-            self.wait()
-            if self._scale_after_comm and not self._use_reduce_avg:
-                for region in self._unreduced_regions():
-                    backend.scale_(region, 1.0 / self._comm.size)
+            self.wait()  # the collective applied every 1/n (see _comm_grads)
         self._reset_params_checked_in()
-
-    def _unreduced_regions(self) -> list:
-        """Parts of the grad buffer that kept local values (no reduced result landed there)."""
-        if self._act == HookAction.ALL_REDUCE:
-            return []
-        if self._act == HookAction.REDUCE:
-            return []  # the root's result was scaled, the others' own values too (sent_scale)
-        if self._grads_are_shard:  # free_grads_in_comm: only the (reduced) shard is left
-            return []
-        begin, end = self.layout.shard_range(self._comm.rank)
-        return [self.grad_storage[:begin], self.grad_storage[end:]]
 
     def wait(self) -> None:
         """Wait for this step's grad communication (within the buffer's timeout).

@@ -605,6 +605,48 @@ def test_staged_reduce_scatter_results_and_overlap(lazy, dtype, nranks, shard, s
     _check_rounds(devs[0], issued, shard, seg, nranks, window, widened=half)
 
 
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("dtype", HALVES_AND_FULL, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("nranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("shard,seg,window", RS_CASES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_reduce_scatter_scales_the_other_shards(staged, dtype, nranks, shard, seg, window,
+                                                inplace):
+    """``others_scale``: the other ranks' shards of the send buffer end with this rank's own
+    values times the factor, rounded once from fp32 for half precision (what Paddle's
+    scale_grads of the whole buffer gives); this rank's share is the scaled sum; nothing
+    changes what MPI reads while it reads it (the one-call path scales only afterwards)."""
+    from mpifusion.comm.collectives import reduce_scatter_steps
+
+    third = 1.0 / 3
+    rng = np.random.default_rng(77 * nranks + shard + seg)
+    numel = shard * nranks
+    data = [_fill(rng, numel, dtype) for _ in range(nranks)]
+    total = np.sum([d.astype(np.float64) for d in data], axis=0) * 0.5
+    sends = [d.copy() for d in data]
+    recvs = [s[r * shard:(r + 1) * shard] if inplace else np.full(shard, -7, dtype)
+             for r, s in enumerate(sends)]
+    devs = [FakeDevice(False) if staged else None for _ in range(nranks)]
+    gens = [reduce_scatter_steps(s, o, 0.5, seg, nranks, r, window=window, device=dv,
+                                 others_scale=third)
+            for r, (s, o, dv) in enumerate(zip(sends, recvs, devs))]
+    _simulate(gens, window, lambda step: None)
+    for r, (o, send, d) in enumerate(zip(recvs, sends, data)):
+        mine = slice(r * shard, (r + 1) * shard)
+        np.testing.assert_array_equal(o.astype(np.float64),
+                                      total[mine].astype(dtype).astype(np.float64))
+        if np.dtype(dtype).itemsize < 4:
+            scaled = (d.astype(np.float32) * np.float32(third)).astype(dtype)
+        else:
+            scaled = d * np.dtype(dtype).type(third)
+        others = np.ones(numel, bool)
+        others[mine] = False
+        np.testing.assert_array_equal(send[others].view(np.uint8), scaled[others].view(np.uint8),
+                                      err_msg=f"rank {r}")
+        if not inplace:
+            np.testing.assert_array_equal(send[mine], d[mine])  # its own share: only read
+
+
 @pytest.mark.parametrize("lazy", [True, False])
 @pytest.mark.parametrize("dtype", HALVES_AND_FULL, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("nranks", [1, 2, 3, 5, 8])
