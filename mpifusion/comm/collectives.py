@@ -108,11 +108,11 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     flat = buf.reshape(-1)
     lands = root is None or root == rank
     own = None if lands else sent_scale
-    if ring and root is None and device is None and not backend.is_cupy(flat):
+    host = device is None and not backend.is_cupy(flat)
+    if ring and root is None and host:
         yield from _ring_allreduce(flat, scale, seg, rank, ring)
         return
-    if (flat.size <= seg and device is None and flat.dtype.char in _MPI_TYPES
-            and not backend.is_cupy(flat)):
+    if host and flat.size <= seg and flat.dtype.char in _MPI_TYPES:
         # one host segment in place (most small buffers): the same call, without the ring
         factor = scale if lands else own
         yield _reduce_call(flat, root, lands,

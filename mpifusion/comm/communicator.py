@@ -28,6 +28,7 @@ announcements, so building a buffer never meets another buffer's collectives in 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional, Sequence, Tuple
 
@@ -54,21 +55,16 @@ _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER:
 #: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages)
 INLINE_MAX_BYTES = 64 << 10
 
-_ISENDRECV: Optional[bool] = None
-
-
+@functools.lru_cache(maxsize=None)
 def has_isendrecv() -> bool:
     """Whether this MPI has ``MPI_Isendrecv`` (MPI-4.0; Open MPI 5 has it though it reports
     MPI 3.1), tried once on COMM_SELF."""
-    global _ISENDRECV
-    if _ISENDRECV is None:
-        a, b = np.zeros(1, np.float32), np.empty(1, np.float32)
-        try:
-            MPI.COMM_SELF.Isendrecv([a, MPI.FLOAT], 0, 0, [b, MPI.FLOAT], 0, 0).Wait()
-            _ISENDRECV = True
-        except (NotImplementedError, MPI.Exception):
-            _ISENDRECV = False
-    return _ISENDRECV
+    a, b = np.zeros(1, np.float32), np.empty(1, np.float32)
+    try:
+        MPI.COMM_SELF.Isendrecv([a, MPI.FLOAT], 0, 0, [b, MPI.FLOAT], 0, 0).Wait()
+    except (NotImplementedError, MPI.Exception):
+        return False
+    return True
 
 
 def allreduce_way(choice: str, strategy: str) -> str:

@@ -389,11 +389,10 @@ class _ThreadEngine(_Engine):
                 # nobody runs it yet, every earlier task finished, the thread runs nothing
                 mine = bool(timeout is None and todo and todo[0] is task
                             and self.tasks[0] is task and self.running.acquire(blocking=False))
+                task._stealable = False  # run here, or else the thread takes it at once
                 if mine:
                     todo.popleft()
-                    task._stealable = False
                 else:
-                    task._stealable = False  # waited for: the thread takes it at once
                     self.bell.put(True)
             if mine:
                 try:
