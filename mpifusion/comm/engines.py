@@ -258,7 +258,7 @@ class _NonBlockingEngine(_Engine):
                     self.lock.release()
             return task._event.is_set()
 
-        if not poll(done, timeout):
+        if not poll(done, timeout, moves=lambda: self.moves):
             raise task._timeout_error(timeout)
 
     def close(self, timeout: float) -> None:

@@ -50,6 +50,34 @@ def test_poll_done_timeout_and_backoff():
     assert b.next() == 1e-6
 
 
+def test_poll_spins_while_moving_and_backs_off_once_stalled(monkeypatch):
+    """A wait on a pipeline whose calls keep landing must not sleep (each sleep would grow
+    and delay every later call: 7x slower with a deadline); once stalled it backs off."""
+    clock = [0.0]
+    sleeps, yields = [], []
+    monkeypatch.setattr(pollmod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pollmod.time, "sleep", lambda s: (sleeps.append(s), clock.__setitem__(0, clock[0] + s)))
+    monkeypatch.setattr(pollmod.os, "sched_yield", lambda: (yields.append(1), clock.__setitem__(0, clock[0] + 1e-4)))
+    counter = [0]
+    polls = [0]
+
+    def done():  # a call lands on every other poll for 400 polls (40 ms), then nothing moves
+        polls[0] += 1
+        if polls[0] < 400 and polls[0] % 2 == 0:
+            counter[0] += 1
+        return polls[0] >= 600
+
+    assert pollmod.poll(done, timeout=10.0, moves=lambda: counter[0])
+    first_sleep = len(yields)
+    assert sleeps and first_sleep >= 398  # no sleep while it moved, long after SPIN_S
+    assert max(sleeps) <= 1e-3 and sleeps[0] == 1e-6  # then backed off from scratch
+    # without ``moves``: back-off from the first miss, as before
+    sleeps.clear(), yields.clear()
+    polls[0] = 0
+    assert pollmod.poll(done, timeout=10.0)
+    assert not yields and len(sleeps) == 599
+
+
 # --------------------------------------------------------------------------- engine
 class FakeRequest:
     def __init__(self, log, index):
