@@ -52,7 +52,9 @@ logger = logging.getLogger("mpifusion")
 _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER: 2}
 
 #: ``thread`` strategy: a caller waiting (no deadline) for a collective of buffers up to this
-#: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages)
+#: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages).
+#: Not with a deadline: the caller could not bound a blocking call, and the non-blocking form
+#: would not match the blocking call another rank's thread issues (MPI never matches the two)
 INLINE_MAX_BYTES = 64 << 10
 
 @functools.lru_cache(maxsize=None)
