@@ -44,17 +44,17 @@ from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
 from .engines import _ThreadEngine, engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
-from .task import CommTask, Latch, Steps
+from .task import CommTask, Latch, Steps, as_nonblocking
 
 logger = logging.getLogger("mpifusion")
 
 #: negotiated order: which of a slot's item bits each kind of collective uses
 _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER: 2}
 
-#: ``thread`` strategy: a caller waiting (no deadline) for a collective of buffers up to this
-#: size runs it itself if the thread has not started it (measured: BENCHMARKS.md, small messages).
-#: Not with a deadline: the caller could not bound a blocking call, and the non-blocking form
-#: would not match the blocking call another rank's thread issues (MPI never matches the two)
+#: ``thread`` strategy: a caller waiting for a collective of buffers up to this size runs it
+#: itself if the thread has not started it (measured: BENCHMARKS.md, small messages). Under a
+#: deadline its calls are non-blocking on every rank, whoever runs them (a caller cannot bound
+#: a blocking call, and MPI never matches a blocking collective with a non-blocking one)
 INLINE_MAX_BYTES = 64 << 10
 
 @functools.lru_cache(maxsize=None)
@@ -261,10 +261,14 @@ class Communicator:
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
                                    + _ITEM_KIND.get(desc[0], 3), task)
             return task
+        inline = (isinstance(self._engine, _ThreadEngine)
+                  and sum([a.nbytes for a in keep]) <= INLINE_MAX_BYTES)
+        if inline and self.timeout is not None:
+            task.polled = True  # the same on every rank: size and "timeout set" are agreed
+            task._steps = steps = as_nonblocking(steps)
         if self.verify and self.size > 1:
             task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
-        if (self.timeout is None and isinstance(self._engine, _ThreadEngine)
-                and sum([a.nbytes for a in keep]) <= INLINE_MAX_BYTES):
+        if inline:
             self._engine.submit(task, inline=True)  # a waiting caller may run it itself
         else:
             self._engine.submit(task)

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from ..errors import AbandonedError, CommTimeoutError, StateError
 from .poll import Backoff, poll
-from .task import CommTask, Latch
+from .task import CommTask, Latch, nonblocking_name
 
 
 class _Engine:
@@ -102,14 +102,6 @@ class _Engine:
         if not self.closed and not self.stuck and self.abandoned is None:
             self.drain(timeout)
         self.closed = True
-
-
-def _iform(name: str, _cache: Dict[str, str] = {}) -> str:
-    """mpi4py's non-blocking method for a blocking one (Allreduce -> Iallreduce)."""
-    iname = _cache.get(name)
-    if iname is None:
-        iname = _cache[name] = "I" + name[0].lower() + name[1:]
-    return iname
 
 
 class _NonBlockingEngine(_Engine):
@@ -198,7 +190,7 @@ class _NonBlockingEngine(_Engine):
                 self._stop(task, self._refused())
                 continue
             try:
-                request = getattr(comm, _iform(step[0]))(*step[1], **step[2])
+                request = getattr(comm, nonblocking_name(step[0]))(*step[1], **step[2])
             except Exception as exc:
                 self._stop(task, exc)
                 continue
@@ -273,8 +265,8 @@ class _NonBlockingEngine(_Engine):
             self.thread.join(timeout=1.0)
 
 
-#: thread strategy: how long a small task started without a deadline is left for its caller's
-#: wait() to run it before the comm thread does (the thread's wake-up is what is saved)
+#: thread strategy: how long a small task is left for its caller's wait() to run it before
+#: the comm thread does (the thread's wake-up is what is saved)
 HANDOFF_S = 0.002
 #: the comm thread looks for such tasks on its own while its communicator was used this
 #: recently; after that it sleeps until a start wakes it
@@ -284,12 +276,15 @@ HOT_S = 1.0
 class _ThreadEngine(_Engine):
     """A daemon thread running each task's calls as blocking MPI calls, in start order.
 
-    Small tasks without a deadline (``inline``) are started without waking the thread:
-    waking it costs 30-150 us here, more than a 4-64 KiB collective. A caller that waits for
-    one, with every earlier task finished, runs it itself; if nobody waits within
-    :data:`HANDOFF_S` the thread runs it, so a caller that communicates between start and
-    wait (a barrier, a send, another buffer) cannot deadlock. ``running`` is held by
-    whoever runs a task's calls, so calls stay in start order on one thread at a time.
+    Small tasks (``inline``) are started without waking the thread: waking it costs 30-150 us
+    here, more than a 4-64 KiB collective. A caller that waits for one, with every earlier
+    task finished, runs it itself; if nobody waits within :data:`HANDOFF_S` the thread runs
+    it, so a caller that communicates between start and wait (a barrier, a send, another
+    buffer) cannot deadlock. Under a deadline such a task's calls are non-blocking
+    (``task.polled``): the caller polls them until its deadline, and if that passes hands the
+    call in flight and the rest of the task to the thread, which finishes them. ``running``
+    is held by whoever runs a task's calls, so calls stay in start order on one thread at a
+    time.
     """
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
@@ -305,6 +300,35 @@ class _ThreadEngine(_Engine):
     def _execute(self, task: CommTask) -> None:
         comm = self.comm
         try:
+            pending = task._requests  # a call its caller left in flight at its deadline
+            while pending:
+                request, land, _args = pending[0]
+                request.Wait()
+                pending.popleft()
+                if land is not None:
+                    land()
+            for step in task._steps:
+                name = step[0]
+                if name == "_pause":
+                    if step[1][0] > 0:
+                        time.sleep(step[1][0])
+                    continue
+                if self.abandoned is not None:
+                    raise self._refused()
+                out = getattr(comm, name)(*step[1], **step[2])
+                if name[0] == "I":  # a non-blocking form: see task.Call
+                    out.Wait()
+                if len(step) > 3 and step[3] is not None:
+                    step[3]()  # the call landed, land it now
+        except BaseException as exc:  # reported to the caller by wait()
+            task._fail(exc)
+
+    def _execute_until(self, task: CommTask, deadline: float) -> bool:
+        """Run a ``polled`` task's calls, polling each, until ``deadline``: True once done (or
+        failed); False if the deadline passed, leaving the call in flight in
+        ``task._requests`` (with its arrays) for :meth:`_execute` to finish."""
+        comm = self.comm
+        try:
             for step in task._steps:
                 if step[0] == "_pause":
                     if step[1][0] > 0:
@@ -312,11 +336,18 @@ class _ThreadEngine(_Engine):
                     continue
                 if self.abandoned is not None:
                     raise self._refused()
-                getattr(comm, step[0])(*step[1], **step[2])
-                if len(step) > 3 and step[3] is not None:
-                    step[3]()  # blocking: the call landed, land it now
+                request = getattr(comm, nonblocking_name(step[0]))(*step[1], **step[2])
+                land = step[3] if len(step) > 3 else None
+                # a counter that never moves: spin first, as a blocking call would
+                if not poll(request.Test, max(0.0, deadline - time.monotonic()),
+                            moves=lambda: 0):
+                    task._requests.append((request, land, step[1]))
+                    return False
+                if land is not None:
+                    land()
         except BaseException as exc:  # reported to the caller by wait()
             task._fail(exc)
+        return True
 
     def _next(self) -> "tuple[Optional[CommTask], Optional[float]]":
         """The task the thread runs now, else how long it may sleep (None: until rung).
@@ -387,7 +418,7 @@ class _ThreadEngine(_Engine):
                 self._progress()
                 todo = self.todo
                 # nobody runs it yet, every earlier task finished, the thread runs nothing
-                mine = bool(timeout is None and todo and todo[0] is task
+                mine = bool((timeout is None or task.polled) and todo and todo[0] is task
                             and self.tasks[0] is task and self.running.acquire(blocking=False))
                 task._stealable = False  # run here, or else the thread takes it at once
                 if mine:
@@ -395,10 +426,21 @@ class _ThreadEngine(_Engine):
                 else:
                     self.bell.put(True)
             if mine:
+                finished = True
                 try:
-                    self._execute(task)
+                    if timeout is None:
+                        self._execute(task)
+                    else:
+                        finished = self._execute_until(task, time.monotonic() + timeout)
                 finally:
+                    if not finished:  # the thread finishes it, before anything started later
+                        with self.lock:
+                            self.todo.appendleft(task)
+                            self.asleep = False
+                            self.bell.put(True)
                     self.running.release()
+                if not finished:
+                    raise task._timeout_error(timeout)
                 task._event.set()
                 return  # finished tasks leave ``tasks`` at the next start or wait
         if not task._event.wait(timeout):

@@ -84,18 +84,20 @@ def order_message(rank: int, rows: np.ndarray, where: str) -> str:
 
 
 def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
-    """``steps`` preceded by the order check (one all-reduce of two uint64)."""
+    """``steps`` preceded by the order check (one all-reduce of two uint64, non-blocking on
+    every engine: see :data:`task.Call`). The fingerprint covers the form of the calls that
+    follow, so ranks that would issue them differently stop here instead of deadlocking."""
     values = (task.seq, *desc)
-    h = fingerprint(values)
+    h = fingerprint((*values, task.polled))
     # the engine's scratch: its tasks run one at a time, and this is a fence
     scratch = task._engine.check_scratch
     send, recv = scratch[:2], scratch[2:]
     send[0], send[1] = h, h ^ _MASK
-    yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
+    yield ("Iallreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
     if int(recv[0]) ^ _MASK != int(recv[1]):
         row = np.array(values, dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-        yield ("Allgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
+        yield ("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
         raise OrderError(order_message(comm.Get_rank(), rows, task.name or "collective"))
     yield from steps
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from typing import Any, Callable, Generator, Iterator, Optional, Sequence, Tuple, TYPE_CHECKING
+from typing import (Any, Callable, Dict, Generator, Iterator, Optional, Sequence, Tuple,
+                    TYPE_CHECKING)
 
 from ..config import MAX_TIMEOUT
 from ..errors import CommError, CommTimeoutError, FusionError, OptionError
@@ -31,9 +32,29 @@ if TYPE_CHECKING:
 #:
 #: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips
 #: it; both first finish what is in flight (:data:`FENCE` is a pause of 0).
+#:
+#: A name already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
+#: engine (the thread engine then waits for it): the order check always is, so that the
+#: checks of any two collectives match whatever each rank runs, and so are all calls of a
+#: small collective under a deadline, which a waiting caller may poll itself. MPI never
+#: matches a blocking collective with a non-blocking one.
 Call = Tuple[Any, ...]
 Steps = Generator[Call, None, None]
 FENCE: Call = ("_pause", (0.0,), {})
+
+
+def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
+    """mpi4py's non-blocking method for a call (Allreduce -> Iallreduce; Iallreduce kept)."""
+    iname = _cache.get(name)
+    if iname is None:
+        iname = _cache[name] = name if name[0] == "I" else "I" + name[0].lower() + name[1:]
+    return iname
+
+
+def as_nonblocking(steps: Steps) -> Steps:
+    """``steps`` with every MPI call in its non-blocking form."""
+    for step in steps:
+        yield step if step[0] == "_pause" else (nonblocking_name(step[0]), *step[1:])
 
 
 def _deadline_seconds(timeout: Any) -> Optional[float]:
@@ -104,7 +125,7 @@ class CommTask:
     __slots__ = ("name", "_requests", "_keep", "_finish", "_done", "_steps", "_engine",
                  "_event", "_error", "_rank", "timed_out", "abandoned", "timeout", "seq",
                  "on_fail", "window", "_blocked", "_stopped", "_stealable", "_since",
-                 "context", "__weakref__")
+                 "polled", "context", "__weakref__")
 
     def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
@@ -131,6 +152,9 @@ class CommTask:
         self._stopped = False       # no more calls (steps exhausted, or failed)
         self._stealable = False     # thread engine: left a moment for its caller to run
         self._since = 0.0           # thread engine: when it was started (monotonic)
+        #: thread engine: its calls are non-blocking (small, under a deadline), so a caller
+        #: waiting with a deadline may run and poll them
+        self.polled = False
 
     # -- engine side
     def _fail(self, exc: BaseException) -> None:

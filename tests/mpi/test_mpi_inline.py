@@ -8,6 +8,7 @@ import pytest
 
 from mpifusion.comm.communicator import INLINE_MAX_BYTES, Communicator
 from mpifusion.config import CommOptions
+from mpifusion.errors import CommTimeoutError
 
 pytestmark = pytest.mark.mpi
 
@@ -60,10 +61,61 @@ def test_small_collective_progresses_without_a_waiting_caller(comm):
     assert (buf == n * (n + 1) / 2).all()
 
 
-def test_with_a_deadline_the_thread_runs_it(comm):
+def _caller_polls(c):
+    """Record the tasks a caller ran under its deadline (non-blocking calls, polled)."""
+    engine = c._engine
+    seen = []
+    until = engine._execute_until
+
+    def spy(task, deadline):
+        finished = until(task, deadline)
+        seen.append((task.name, finished))
+        return finished
+
+    engine._execute_until = spy
+    return seen
+
+
+def test_with_a_deadline_the_caller_runs_it_polling(comm):
+    n, rank = comm.Get_size(), comm.Get_rank()
     c = Communicator(comm, CommOptions(strategy="thread", timeout=60))
-    seen = _runners(c)
-    buf = np.ones(16, np.float32)
-    c.allreduce(buf, name="dl").wait()
-    assert (buf == comm.Get_size()).all()
-    assert seen == [("dl", False)]
+    blocking, polled = _runners(c), _caller_polls(c)
+    buf = np.full(16, rank + 1.0, np.float32)
+    task = c.allreduce(buf, scale=1.0 / n, name="dl")
+    assert task.polled
+    task.wait()
+    assert (buf == (n + 1) / 2).all()
+    assert polled == [("dl", True)] and blocking == []
+    big = np.full(INLINE_MAX_BYTES, rank + 1.0, np.float32)  # above the limit: the thread's
+    task = c.allreduce(big, name="big")
+    assert not task.polled
+    task.wait()
+    assert (big == n * (n + 1) / 2).all() and polled == [("dl", True)]
+
+
+def test_a_deadline_missed_hands_the_rest_to_the_thread(comm):
+    """Rank 0 runs a small collective itself and misses its deadline (the others start it
+    later): it raises, the comm thread finishes the call left in flight and the rest of the
+    task, a later wait() returns the right sum, and the stream stays aligned."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    c = Communicator(comm, CommOptions(strategy="thread", timeout=60))
+    blocking, polled = _runners(c), _caller_polls(c)
+    buf = np.full(1000, rank + 1.0, np.float32)
+    comm.Barrier()
+    if rank == 0:
+        task = c.allreduce(buf, scale=1.0 / n, name="late")
+        with pytest.raises(CommTimeoutError, match="late"):
+            task.wait(timeout=0.3)
+        assert polled == [("late", False)]
+        comm.Barrier()  # only now do the others start it: the thread must finish it
+        task.wait(timeout=60)
+        assert ("late", False) in blocking  # finished on the comm thread
+    else:
+        comm.Barrier()
+        c.allreduce(buf, scale=1.0 / n, name="late").wait()
+    assert (buf == (n + 1) / 2).all()
+    again = np.full(7, rank + 1.0, np.float32)
+    c.allreduce(again, name="next").wait()
+    assert (again == n * (n + 1) / 2).all()
