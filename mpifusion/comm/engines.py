@@ -292,7 +292,7 @@ class _ThreadEngine(_Engine):
         self.todo: Deque[CommTask] = collections.deque()  # started, nobody runs them yet
         self.bell: "queue.SimpleQueue[Optional[bool]]" = queue.SimpleQueue()  # None: stop
         self.running = threading.Lock()
-        self.asleep = False     # the thread waits with no timeout: every start must ring
+        self.asleep = True      # the thread waits with no timeout: every start must ring
         self.last = 0.0         # when a task was last started
         self.thread = threading.Thread(target=self._run, name="mpifusion-comm", daemon=True)
         self.thread.start()

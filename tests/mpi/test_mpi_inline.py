@@ -76,6 +76,30 @@ def _caller_polls(c):
     return seen
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [None, 60.0])
+def test_fresh_engines_run_what_no_caller_waits_for(comm, timeout):
+    """Two new communicators, a small collective on each, waited for in opposite orders on
+    even and odd ranks: each rank's caller runs the one it waits for, so the other must be
+    run by its comm thread -- also by a thread that never ran anything yet (it used to sleep
+    until rung, and an inline start did not ring it: a deadlock)."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    dups = [comm.Dup(), comm.Dup()]
+    try:
+        cs = [Communicator(d, CommOptions(strategy="thread", timeout=timeout)) for d in dups]
+        bufs = [np.full(5, rank + 1.0 + i, np.float32) for i in range(2)]
+        tasks = [c.allreduce(b) for c, b in zip(cs, bufs)]
+        for i in ([0, 1] if rank % 2 == 0 else [1, 0]):
+            tasks[i].wait()
+        for i, b in enumerate(bufs):
+            assert (b == n * (n + 1) / 2 + n * i).all()
+    finally:
+        for c in cs:
+            c.close()
+        for d in dups:
+            d.Free()
+
+
 def test_with_a_deadline_the_caller_runs_it_polling(comm):
     n, rank = comm.Get_size(), comm.Get_rank()
     c = Communicator(comm, CommOptions(strategy="thread", timeout=60))
