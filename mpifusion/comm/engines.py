@@ -493,7 +493,7 @@ def _release_dups(dups: dict, timeout: float = 30.0) -> None:
         engine = _ENGINES.pop(handle, None)
         if engine is not None:
             engine.close(0.0 if _EXITING else timeout)
-        forget(dup)
+        forget(dup, None if _EXITING or MPI.Is_finalized() else timeout)
         _LIVE.pop(handle, None)
         if not _EXITING and not MPI.Is_finalized():
             try:

@@ -177,6 +177,8 @@ class StartTracker:
         self._next_key = 0
         self._started: dict = {}   # key -> int64[size]: highest seq each rank announced
         self._sends: list = []     # (request, message) until the send completes
+        self._sent = np.zeros(self.size, dtype=np.int64)  # messages sent to each rank
+        self._got = np.zeros(self.size, dtype=np.int64)   # messages received from each rank
         self._probe = MPI.Status()
         self.broken = False        # a send or receive failed (a peer died): stop talking
         self.abandoned: dict = {}  # rank -> (key, seq) of a collective it gave up
@@ -218,6 +220,7 @@ class StartTracker:
                 for peer in peers:
                     self._sends.append((self.comm.Isend([msg, MPI.INT64_T], peer, ANNOUNCE_TAG),
                                         msg))
+                    self._sent[peer] += 1
             except MPI.Exception:
                 self.broken = True
         self.drain()
@@ -247,6 +250,7 @@ class StartTracker:
                         src = self._probe.Get_source()
                         buf = np.empty(3, dtype=np.int64)
                         self.comm.Recv([buf, MPI.INT64_T], src, ANNOUNCE_TAG)
+                        self._got[src] += 1
                         key, seq, kind = (int(v) for v in buf)
                         if kind == self.ABANDONED:
                             self.abandoned.setdefault(src, (key, seq))
@@ -257,6 +261,26 @@ class StartTracker:
                     self._sends = [(r, m) for r, m in self._sends if not r.Test()]
             except MPI.Exception:
                 self.broken = True
+
+    def settle(self, timeout: float) -> bool:
+        """Receive every message still on its way here, and finish this rank's sends, before
+        the communicator is freed (collective). A message left unreceived on a freed
+        communicator is not harmless: Open MPI reuses the communicator's context, and a later
+        communicator's collective was seen to consume it (found by scripts/stress_buffers.py:
+        one rank one collective ahead of its peer, a hang). False if ``timeout`` passed first
+        or a peer is gone."""
+        if self.size == 1 or self.broken:
+            return not self.broken
+        sent, due = self._sent.copy(), np.empty_like(self._sent)
+        try:
+            wait_request(self.comm.Ialltoall([sent, MPI.INT64_T], [due, MPI.INT64_T]),
+                         timeout, lambda: "", keep=(sent, due))
+            return poll(lambda: self.drain() or self.broken or
+                        (not self._sends and bool((self._got >= due).all())),
+                        timeout, first=1e-5) and not self.broken
+        except (MPI.Exception, CommTimeoutError):
+            self.broken = True
+            return False
 
     def not_started(self, key: int, seq: int) -> Optional[list]:
         """Ranks not known to have started collective ``seq`` of ``key``; None if unknowable."""
@@ -305,6 +329,10 @@ def tracker_for(comm: MPI.Comm) -> StartTracker:
     return tracker
 
 
-def forget(comm: MPI.Comm) -> None:
-    """Drop the tracker of a communicator about to be freed (MPI reuses its handle)."""
-    _TRACKERS.pop(comm.py2f(), None)
+def forget(comm: MPI.Comm, settle: Optional[float] = None) -> None:
+    """Drop the tracker of a communicator about to be freed (MPI reuses its handle); with
+    ``settle`` seconds, first receive what is still on its way (collective:
+    :meth:`StartTracker.settle`)."""
+    tracker = _TRACKERS.pop(comm.py2f(), None)
+    if tracker is not None and settle is not None:
+        tracker.settle(settle)

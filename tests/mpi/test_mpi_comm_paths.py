@@ -203,3 +203,42 @@ def test_buffers_fast_path_equals_plain_path(comm, act, dtype):
             ([b.param_storage.copy() for b in (b1, b2)] if act == HookAction.REDUCE_SCATTER else [])
     for fast, plain in zip(results["thread"], results["nonblocking"]):
         assert bits_equal(fast, plain)
+
+
+@pytest.mark.timeout(120)
+def test_release_receives_announcements_still_on_their_way(comm):
+    """With a deadline every rank announces its starts with small messages; releasing the
+    communicator must first receive those still on their way: a message left on a freed
+    communicator was consumed by a later communicator's collective under Open MPI (which
+    reuses the context), leaving one rank a collective ahead of its peer (a hang)."""
+    from mpifusion.comm import engines, health
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    for round_ in range(3):
+        dup = comm.Dup()
+        c = Communicator(dup, CommOptions(timeout=60))
+        tracker = c.tracker
+        if rank == 0:
+            for seq in range(1, 6):  # the others never look for them
+                tracker.announce(99, seq)
+        engines.release(dup)
+        assert all(t is not tracker for t in health._TRACKERS.values())  # forgotten
+        sent = comm.allgather(tracker._sent.copy())  # what each rank sent to each rank
+        assert all(sent[0][r] >= 5 for r in range(1, n))
+        assert [int(sent[r][rank]) for r in range(n)] == tracker._got.tolist(), \
+            "announcements left unreceived on a freed communicator"
+        assert not tracker.broken and not tracker._sends
+        dup.Free()
+        # a new communicator (same context id, where MPI reuses it) sums right, in step
+        fresh = comm.Dup()
+        try:
+            d = Communicator(fresh, CommOptions(timeout=60, segment_bytes=64))
+            for k in range(20):
+                buf = np.full(33, rank + k + round_, np.float64)
+                d.allreduce(buf).wait()
+                assert (buf == n * (n - 1) / 2 + n * (k + round_)).all()
+        finally:
+            engines.release(fresh)
+            fresh.Free()
