@@ -298,15 +298,33 @@ class _ThreadEngine(_Engine):
         self.thread.start()
 
     def _execute(self, task: CommTask) -> None:
-        comm = self.comm
+        """Run ``task`` to its end, blocking: first the call its caller left in flight at its
+        deadline (if any), then the rest of its calls."""
         try:
-            pending = task._requests  # a call its caller left in flight at its deadline
+            pending = task._requests
             while pending:
                 request, land, _args = pending[0]
                 request.Wait()
                 pending.popleft()
                 if land is not None:
                     land()
+        except BaseException as exc:  # reported to the caller by wait()
+            task._fail(exc)
+            return
+        self._run_steps(task, None)
+
+    def _execute_until(self, task: CommTask, deadline: float) -> bool:
+        """Run a ``polled`` task's calls, polling each, until ``deadline``: True once done (or
+        failed); False if the deadline passed, leaving the call in flight in
+        ``task._requests`` (with its arrays) for :meth:`_execute` to finish."""
+        return self._run_steps(task, deadline)
+
+    def _run_steps(self, task: CommTask, deadline: Optional[float]) -> bool:
+        """The one loop over a task's calls: without ``deadline`` each call completes before
+        the next (a non-blocking form is waited for: see task.Call); with one (``polled``
+        tasks, whose calls are all non-blocking) each is polled until the deadline."""
+        comm = self.comm
+        try:
             for step in task._steps:
                 name = step[0]
                 if name == "_pause":
@@ -316,35 +334,17 @@ class _ThreadEngine(_Engine):
                 if self.abandoned is not None:
                     raise self._refused()
                 out = getattr(comm, name)(*step[1], **step[2])
-                if name[0] == "I":  # a non-blocking form: see task.Call
-                    out.Wait()
-                if len(step) > 3 and step[3] is not None:
-                    step[3]()  # the call landed, land it now
-        except BaseException as exc:  # reported to the caller by wait()
-            task._fail(exc)
-
-    def _execute_until(self, task: CommTask, deadline: float) -> bool:
-        """Run a ``polled`` task's calls, polling each, until ``deadline``: True once done (or
-        failed); False if the deadline passed, leaving the call in flight in
-        ``task._requests`` (with its arrays) for :meth:`_execute` to finish."""
-        comm = self.comm
-        try:
-            for step in task._steps:
-                if step[0] == "_pause":
-                    if step[1][0] > 0:
-                        time.sleep(step[1][0])
-                    continue
-                if self.abandoned is not None:
-                    raise self._refused()
-                request = getattr(comm, nonblocking_name(step[0]))(*step[1], **step[2])
                 land = step[3] if len(step) > 3 else None
+                if deadline is None:
+                    if name[0] == "I":
+                        out.Wait()
                 # a counter that never moves: spin first, as a blocking call would
-                if not poll(request.Test, max(0.0, deadline - time.monotonic()),
-                            moves=lambda: 0):
-                    task._requests.append((request, land, step[1]))
+                elif not poll(out.Test, max(0.0, deadline - time.monotonic()),
+                              moves=lambda: 0):
+                    task._requests.append((out, land, step[1]))
                     return False
                 if land is not None:
-                    land()
+                    land()  # the call landed
         except BaseException as exc:  # reported to the caller by wait()
             task._fail(exc)
         return True

@@ -51,16 +51,18 @@ def poll(done: Callable[[], bool], timeout: Optional[float] = None, first: float
     now = time.monotonic()
     deadline = None if timeout is None else now + timeout
     backoff = Backoff(first, cap)
-    seen, moved_at = (moves(), now) if moves is not None else (0, -SPIN_S)
+    seen, moved_at = (moves() if moves is not None else 0), now
     while not done():
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return False
-        if moves is not None and moves() != seen:
-            seen, moved_at = moves(), now
-            backoff.reset()
-        if now - moved_at < SPIN_S:
-            os.sched_yield()
-        else:
-            backoff.sleep()
+        if moves is not None:
+            count = moves()
+            if count != seen:
+                seen, moved_at = count, now
+                backoff.reset()
+            if now - moved_at < SPIN_S:
+                os.sched_yield()
+                continue
+        backoff.sleep()
     return True
