@@ -110,14 +110,20 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     own = None if lands else sent_scale
     host = device is None and not backend.is_cupy(flat)
     if ring and root is None and host:
-        yield from _ring_allreduce(flat, scale, seg, rank, ring)
-        return
+        return _ring_allreduce(flat, scale, seg, rank, ring)
     if host and flat.size <= seg and flat.dtype.char in _MPI_TYPES:
-        # one host segment in place (most small buffers): the same call, without the ring
+        # one host segment in place (most small buffers): the same call, made now -- a
+        # generator would cost a small collective ~1 us more (BENCHMARKS.md, small messages)
         factor = scale if lands else own
-        yield _reduce_call(flat, root, lands,
-                           None if factor is None else partial(backend.scale_, flat, factor))
-        return
+        return iter((_reduce_call(flat, root, lands, None if factor is None
+                                  else partial(backend.scale_, flat, factor)),))
+    return _segmented(flat, buf, scale, seg, root, lands, own, window, device)
+
+
+def _segmented(flat: Any, buf: Any, scale: Optional[float], seg: int, root: Optional[int],
+               lands: bool, own: Optional[float], window: int,
+               device: Optional[Device]) -> Steps:
+    """:func:`allreduce_steps` of a buffer in segments (or staged, or half precision)."""
     if device is not None or _staged(flat):
         source: Any = StagedSegments.of_buffer(flat, seg, window, scale if lands else None,
                                                lands, device or CupyDevice(flat))

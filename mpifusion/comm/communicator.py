@@ -145,6 +145,7 @@ class Communicator:
         self.comm: Optional[MPI.Comm] = None
         self._engine = None
         self._negotiator: Optional[Negotiator] = None
+        self._segments: dict = {}   # (dtype, segment_bytes) -> elements per segment
         self.closed = False
         if open:
             self.open()
@@ -243,15 +244,24 @@ class Communicator:
 
     def _segment(self, dtype: Any) -> int:
         """Elements per segment for ``dtype`` buffers (everything at once when 0)."""
-        if self.segment_bytes == 0:
-            # half precision still goes in bounded pieces: no full-size fp32 copy
-            return (DEFAULT_SEGMENT_BYTES // 4) if dtype in HALF else (1 << 62)
-        return max(1, self.segment_bytes // (4 if dtype in HALF else np.dtype(dtype).itemsize))
+        key = (dtype, self.segment_bytes)
+        seg = self._segments.get(key)
+        if seg is None:
+            if self.segment_bytes == 0:
+                # half precision still goes in bounded pieces: no full-size fp32 copy
+                seg = (DEFAULT_SEGMENT_BYTES // 4) if dtype in HALF else (1 << 62)
+            else:
+                seg = max(1, self.segment_bytes
+                          // (4 if dtype in HALF else np.dtype(dtype).itemsize))
+            self._segments[key] = seg
+        return seg
 
     def _start(self, steps: Steps, keep: Sequence[Any], name: str,
-               desc: Sequence[int]) -> CommTask:
+               desc: Sequence[int], nbytes: Optional[int] = None) -> CommTask:
         """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
-        the order check compares (and OrderError names)."""
+        the order check compares (and OrderError names); ``nbytes`` its size on this rank
+        (small ones may run inline; default: of ``keep``), the same on every rank when
+        ``desc`` is."""
         self.check_usable(name)
         task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
                         timeout=self.timeout)
@@ -261,8 +271,9 @@ class Communicator:
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
                                    + _ITEM_KIND.get(desc[0], 3), task)
             return task
-        inline = (isinstance(self._engine, _ThreadEngine)
-                  and sum([a.nbytes for a in keep]) <= INLINE_MAX_BYTES)
+        if nbytes is None:
+            nbytes = sum([a.nbytes for a in keep])
+        inline = nbytes <= INLINE_MAX_BYTES and isinstance(self._engine, _ThreadEngine)
         if inline and self.timeout is not None:
             task.polled = True  # the same on every rank: size and "timeout set" are agreed
             task._steps = steps = as_nonblocking(steps)
@@ -283,7 +294,8 @@ class Communicator:
                                 ring=self.size if (self.allreduce_way == "ring"
                                                    and buf.nbytes > INLINE_MAX_BYTES) else 0)
         return self._start(steps, (buf,), name,
-                           (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
+                           (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag),
+                           buf.nbytes)
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
                name: str = "reduce", tag: Tuple[int, int] = (-1, -1),
@@ -298,7 +310,8 @@ class Communicator:
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=int(root),
                                  rank=self.rank, window=self.window, sent_scale=sent_scale)
         return self._start(steps, (buf,), name,
-                           (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag))
+                           (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag),
+                           buf.nbytes)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
                        name: str = "reduce_scatter",
@@ -320,7 +333,7 @@ class Communicator:
                                       others_scale=others_scale)
         return self._start(steps, (sendbuf, recvbuf), name,
                            (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
-                            -1, *tag))
+                            -1, *tag), sendbuf.nbytes + recvbuf.nbytes)
 
     def allgather_inplace(self, buf: Any, name: str = "allgather",
                           tag: Tuple[int, int] = (-1, -1)) -> CommTask:
@@ -332,7 +345,8 @@ class Communicator:
         steps = allgather_steps(buf, self._segment(buf.dtype), self.size, self.rank,
                                 window=self.window)
         return self._start(steps, (buf,), name,
-                           (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag))
+                           (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag),
+                           buf.nbytes)
 
     def poll(self) -> None:
         """Called on every add_grad: drives MPI progress (``nonblocking``) or retires tasks
@@ -343,5 +357,5 @@ class Communicator:
 
     def barrier(self) -> None:
         """A barrier ordered after every collective this communicator started."""
-        self._start(barrier_steps(), (), "barrier", (BARRIER, 0, 0, -1, -1, -1)).wait()
+        self._start(barrier_steps(), (), "barrier", (BARRIER, 0, 0, -1, -1, -1), 0).wait()
 

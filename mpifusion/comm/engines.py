@@ -47,6 +47,10 @@ class _Engine:
         self.closed = False
         self.negotiator = None          # order.Negotiator on a negotiated communicator
         self.check_scratch = np.empty(4, dtype=np.uint64)  # the order check's send + receive
+        #: the order check's call (order.verified_steps), made once: its arguments never change
+        self.check_call = ("Iallreduce", ([self.check_scratch[:2], MPI.UINT64_T],
+                                          [self.check_scratch[2:], MPI.UINT64_T]),
+                           {"op": MPI.MAX})
 
     def _check_open(self) -> None:
         if self.abandoned is not None:

@@ -242,6 +242,15 @@ class StartTracker:
         """Receive the announcements that arrived; forget sends that completed."""
         if self.broken:
             return
+        comm = self.comm
+        try:  # the common case, before every start: nothing came, nothing to forget
+            # two probes: one may only progress a message that arrived meanwhile
+            if (not self._sends and not comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG)
+                    and not comm.Iprobe(MPI.ANY_SOURCE, ANNOUNCE_TAG)):
+                return
+        except MPI.Exception:
+            self.broken = True
+            return
         with self.lock:
             try:
                 # two passes: one probe may only progress a message that arrived meanwhile

@@ -91,10 +91,10 @@ def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.
     h = fingerprint((*values, task.polled))
     # the engine's scratch: its tasks run one at a time, and this is a fence
     scratch = task._engine.check_scratch
-    send, recv = scratch[:2], scratch[2:]
-    send[0], send[1] = h, h ^ _MASK
-    yield ("Iallreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]), {"op": MPI.MAX})
-    if int(recv[0]) ^ _MASK != int(recv[1]):
+    scratch[0], scratch[1] = h, h ^ _MASK
+    yield task._engine.check_call
+    _, _, high, low = scratch.tolist()
+    if high ^ _MASK != low:
         row = np.array(values, dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
         yield ("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})

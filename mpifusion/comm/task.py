@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from typing import (Any, Callable, Dict, Generator, Iterator, Optional, Sequence, Tuple,
+from typing import (Any, Callable, Dict, Iterator, Optional, Sequence, Tuple,
                     TYPE_CHECKING)
 
 from ..config import MAX_TIMEOUT
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 #: small collective under a deadline, which a waiting caller may poll itself. MPI never
 #: matches a blocking collective with a non-blocking one.
 Call = Tuple[Any, ...]
-Steps = Generator[Call, None, None]
+Steps = Iterator[Call]
 FENCE: Call = ("_pause", (0.0,), {})
 
 
