@@ -54,9 +54,15 @@ class BoundModel:
     formula: str
 
 
+#: theta at which the bound stops meaning anything: theta/(1-theta) >= 1 makes it at least
+#: c*sum|x| >= |reference|, so a result of 0 (or the negated result, soon after) would pass
+#: every element (found by a red-team review; the limit was theta < 1 before)
+THETA_MAX = 0.5
+
+
 def _max_acc_steps(acc: str, red: str, n_red: int) -> int:
-    """The most micro-steps whose bound still has theta < 1 (for the error message)."""
-    return max(0, int((1.0 - n_red * _UNIT_ROUNDOFF[red]) / _UNIT_ROUNDOFF[acc]))
+    """The most micro-steps whose bound still has theta < THETA_MAX (for the message)."""
+    return max(0, int((THETA_MAX - n_red * _UNIT_ROUNDOFF[red]) / _UNIT_ROUNDOFF[acc]))
 
 
 def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool) -> BoundModel:
@@ -68,10 +74,11 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     n_acc = (acc_steps - 1) + (1 if half else 0) + (1 if (average and half) else 0)
     n_red = (nranks - 1) + (2 if average else 0)
     theta = n_acc * u_acc + n_red * u_red
-    if theta >= 1:  # an OptionError: a ValueError too, and one line for the CLI
+    if theta >= THETA_MAX:  # an OptionError: a ValueError too, and one line for the CLI
         raise OptionError(f"acc_steps {acc_steps}, nranks {nranks}: too many roundings to "
-                          f"check ({n_acc} in {acc} and {n_red} in {red} leave no accuracy, "
-                          f"theta={theta:g} >= 1; at most about {_max_acc_steps(acc, red, n_red)} "
+                          f"check ({n_acc} in {acc} and {n_red} in {red}: theta={theta:g} >= "
+                          f"{THETA_MAX}, a bound at least the size of the result, so even 0 "
+                          f"would pass; at most about {_max_acc_steps(acc, red, n_red)} "
                           f"micro-steps at {nranks} rank(s))")
     rel = theta / (1 - theta)
     absolute = n_acc * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
@@ -116,10 +123,14 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
 
 def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
     """A float64 copy of ``arr``; raw 2-byte void/uint16 data is read as bfloat16 bits when
-    ``dtype_hint`` says bfloat16 (numpy's .npz cannot name the bfloat16 dtype)."""
+    ``dtype_hint`` says bfloat16 (numpy's .npz cannot name the bfloat16 dtype), and refused
+    otherwise (the same bytes are other numbers in fp16)."""
     arr = np.asarray(arr)
-    if arr.dtype.kind == "V" and arr.dtype.itemsize == 2 or (
-            arr.dtype == np.uint16 and dtype_hint == "bfloat16"):
+    dt = arr.dtype
+    if dt.name != "bfloat16" and dt.itemsize == 2 and (dt.kind == "V" or dt == np.uint16):
+        if dtype_hint != "bfloat16":
+            raise ValueError(f"raw 2-byte values ({dt}) are read as bfloat16 bits only for a "
+                             f"bfloat16 param, not {dtype_hint}")
         arr = arr.view(as_dtype("bfloat16"))
     return arr.astype(np.float64)
 

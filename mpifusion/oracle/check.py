@@ -15,6 +15,7 @@ A dump is one record per rank (a ``rank{r}.npz`` file or an in-memory dict of ar
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -88,6 +89,10 @@ class CheckReport:
     source: str = ""
     reduce_avg: bool = False
     ranged: list = field(default_factory=list)  # params whose pieces came with range/
+    #: what this check could not tell, in words (printed as ``note:`` lines, JSON ``notes``):
+    #: a bound too coarse to see one lost input, inputs that cannot reveal a missing
+    #: reduction, keys of params the spec does not fuse
+    notes: list = field(default_factory=list)
 
     # ---------------------------------------------------------------- verdicts
     def failures(self) -> list:
@@ -189,6 +194,7 @@ class CheckReport:
                              "mismatched": s.mismatched, "ranks": s.ranks,
                              "conflicts": s.conflicts, "ok": s.ok} for s in self.sync],
             "failing": self.reasons(),
+            "notes": list(self.notes),
         })
         return doc
 
@@ -231,6 +237,7 @@ class CheckReport:
                 extra = f"  ({s.conflicts} conflicting shard element(s))" if s.conflicts else ""
                 out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.mismatched:>8}  {ranks}"
                            f"{extra}")
+        out.extend(f"note: {n}" for n in self.notes)
         reasons = self.reasons()
         checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
         if not reasons:
@@ -275,6 +282,9 @@ class _MemoryDump:
         value = self._arrays[key]
         if isinstance(value, np.ndarray):
             return value
+        if value is None or isinstance(value, (str, bytes, bytearray, Mapping)):
+            raise DumpError(f"{self.path}: {key}: expected an array, got "
+                            f"{type(value).__name__}")
         try:
             return np.asarray(value)
         except Exception as exc:  # a framework tensor numpy cannot read (e.g. on a GPU)
@@ -336,7 +346,7 @@ def _open_dumps(dumps: Any, nranks: Optional[int]) -> tuple:
                 f.close()
             raise
         return paths, files, directory
-    if isinstance(dumps, Mapping) or not isinstance(dumps, Iterable):
+    if isinstance(dumps, (Mapping, bytes, bytearray)) or not isinstance(dumps, Iterable):
         raise DumpError(f"dumps: expected a directory, or a list with one .npz path or dict "
                         f"of arrays per rank, got {type(dumps).__name__}")
     items = list(dumps)
@@ -434,6 +444,8 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
     """
     import dataclasses
 
+    if not isinstance(reduce_avg, (bool, np.bool_)):
+        raise DumpError(f"reduce_avg: expected True or False, got {reduce_avg!r}")
     spec = as_spec(spec)
     labels, files, source = _open_dumps(dumps, spec.nranks)
     try:
@@ -460,16 +472,90 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
         raise DumpError(f"{labels[0]}: no in/{{name}}/{{k}} (gradients) nor shard/ and param/ "
                         f"(all-gather) keys: nothing to check")
     _check_keys(spec, acc, labels, keys)
+    fused = spec.fused_params()
+    if not fused:
+        raise DumpError("spec: no param is fused (every one has stop_gradient or trainable "
+                        "false): nothing to check")
+    _check_aliasing(labels, files)
     slices = _PaddleSlices(spec, nranks)
     report = CheckReport([], {}, spec=spec, source=source, reduce_avg=reduce_avg)
-    for p in spec.fused_params():
+    for p in fused:
         ranges = [_read_range(f, lab, f"range/{p.name}", p.numel) for f, lab in zip(files, labels)]
         if has_inputs:
             _check_grads(report, p, spec, nranks, acc, act, labels, files, ranges, slices,
                          reduce_avg)
         if any(f"shard/{p.name}" in ks or f"param/{p.name}" in ks for ks in keys):
             _check_gather(report, p, act, labels, files, ranges, slices)
+    if not report.stats and not report.sync:
+        raise DumpError(f"{labels[0]}: no key of a fused param of the spec (in/{{name}}/{{k}}, "
+                        f"shard/ or param/): nothing to check")
+    unfused = sorted({key for ks in keys for key in ks
+                      if key.partition("/")[0] in _PREFIXES
+                      and _key_param(key) not in {p.name for p in fused}})
+    if unfused:
+        report.notes.append(f"not checked: {len(unfused)} key(s) of params the spec does not "
+                            f"fuse (stop_gradient or trainable false): "
+                            f"{', '.join(unfused[:6])}{' ...' if len(unfused) > 6 else ''}")
     return report
+
+
+def _key_param(key: str) -> str:
+    """The param a dump-format key names (``in/{name}/{k}``, ``out/{name}``, ...)."""
+    prefix, _, rest = key.partition("/")
+    return rest.rpartition("/")[0] if prefix == "in" else rest
+
+
+def _check_aliasing(labels: list, files: list) -> None:
+    """In-memory records whose inputs share memory with a result: an in-place collective
+    (or a dumper handing views of its grad buffer) rewrote the inputs, so the reference
+    would be recomputed from the result and a wrong result could pass. Refused."""
+    inputs, results = [], []
+    for lab, f in zip(labels, files):
+        if not isinstance(f, _MemoryDump):
+            continue
+        for key in f.files:
+            value = f._arrays[key]
+            if not isinstance(value, np.ndarray):
+                continue  # framework tensors are read when checked
+            (inputs if key.startswith("in/") else results).append((lab, key, value))
+    for (lab, key, x), (olab, okey, y) in _overlapping(inputs, results):
+        if _shares(x, y):
+            raise DumpError(f"{lab}: {key}: shares memory with {okey} of {olab}: the "
+                                f"reference would be recomputed from the result (an in-place "
+                                f"reduction overwrote the input); pass copies of the inputs "
+                                f"taken before the sync")
+
+
+def _byte_range(a: np.ndarray) -> tuple:
+    lo, hi = _byte_bounds(a)
+    return lo, max(hi, lo)
+
+
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds  # numpy >= 2
+except ImportError:  # pragma: no cover - numpy 1.x
+    _byte_bounds = np.byte_bounds
+
+
+def _overlapping(xs: list, ys: list) -> Iterable:
+    """Pairs ``(x, y)`` of ``(label, key, array)`` whose memory spans overlap, found by one
+    sort of the spans (every pair would be quadratic in the number of arrays)."""
+    spans = sorted([(*_byte_range(t[2]), 0, i) for i, t in enumerate(xs) if t[2].size]
+                   + [(*_byte_range(t[2]), 1, i) for i, t in enumerate(ys) if t[2].size])
+    open_: list = [[], []]  # per side: (end, index) of spans still open
+    for lo, hi, side, i in spans:
+        for k in (0, 1):
+            open_[k] = [(end, j) for end, j in open_[k] if end > lo]
+        for _end, j in open_[1 - side]:
+            yield (xs[i], ys[j]) if side == 0 else (xs[j], ys[i])
+        open_[side].append((hi, i))
+
+
+def _shares(x: np.ndarray, y: np.ndarray) -> bool:
+    try:
+        return bool(np.shares_memory(x, y, max_work=1 << 16))
+    except np.exceptions.TooHardError:
+        return True
 
 
 #: key prefixes of the dump format; keys under other prefixes are the dumper's own
@@ -513,20 +599,38 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                  labels: list, files: list, ranges: list, slices: _PaddleSlices,
                  reduce_avg: bool) -> None:
     grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
-    report.bounds.setdefault(grad_dtype, bound_model(
-        grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc, average=spec.average).formula)
+    if grad_dtype not in report.bounds:
+        model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
+                            average=spec.average)
+        report.bounds[grad_dtype] = model.formula
+        if model.rel * nranks * acc >= 1:
+            report.notes.append(
+                f"{grad_dtype} grads: the bound allows {model.rel:.3g} of sum|x| per element, "
+                f"more than one of the {nranks * acc} inputs (ranks x micro-steps) adds on "
+                f"average: a result missing one rank's or one micro-step's gradient may pass")
     glob = ReferenceSum()
     local = []  # per rank (REDUCE only, for the non-root rule): its own ReferenceSum
+    digests = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
     for lab, f in zip(labels, files):
         own = ReferenceSum() if act == "reduce" else None
+        digest = hashlib.blake2b(digest_size=16)
         for k in range(acc):
             x = _array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
             x = np.zeros(p.shape) if x is None else x
+            digest.update(np.ascontiguousarray(x).tobytes())
             glob.add(x)
             if own is not None:
                 own.add(x)
         local.append(own)
+        digests.append(digest.digest())
     ref, absolute, overflow = glob.total, glob.absolute, glob.overflow.reshape(-1)
+    if p.numel and not np.any(absolute):
+        report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
+                            f"reduction passes too")
+    elif nranks > 1 and spec.average and p.numel and len(set(digests)) == 1:
+        report.notes.append(f"{p.name}: every rank fed the same inputs, so the mean equals "
+                            f"each rank's own gradient: a result that skipped the reduction "
+                            f"passes too")
     if spec.average:
         ref /= nranks
     bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,

@@ -95,7 +95,14 @@ class DumpFile:
         self._by_key = {}
         for info in members:
             key = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
-            self._by_key.setdefault(key, info)
+            if key in self._by_key:
+                # numpy.load reads the last of two same-named members, a reader that keeps
+                # the first checks other data than the dumper's own tools show
+                self.close()
+                raise DumpError(f"{path}: {key}: not a valid .npz (two members named "
+                                f"{self._by_key[key].filename!r} and {info.filename!r}; "
+                                f"numpy.savez writes each key once)")
+            self._by_key[key] = info
         self._checked: dict = {}
 
     def close(self) -> None:
@@ -163,9 +170,9 @@ class DumpFile:
             raise DumpError(f"{self.path}: {key}: shape {list(m.shape)} disagrees with the spec "
                             f"(expected {list(shape)})")
         dt = m.dtype
-        if not _floating(dt, dtype):
-            raise DumpError(f"{self.path}: {key}: dtype {dt} is not a floating dtype "
-                            f"(bfloat16 may be stored as raw 2-byte values)")
+        problem = _dtype_problem(dt, dtype)
+        if problem:
+            raise DumpError(f"{self.path}: {key}: {problem}")
         need = m.numel * (dt.itemsize + CHECK_BYTES_PER_ELEMENT)
         if need > (64 << 20):
             problem = memory_problem(need, f"checking {key} ({m.numel} elements)")
@@ -232,22 +239,40 @@ def _array(files: Any, path: str, key: str, shape: tuple, dtype: str,
         return files.read(key, shape, dtype)
     try:
         arr = files[key]
+    except DumpError:
+        raise
     except ValueError as exc:
         raise DumpError(f"{path}: {key}: cannot read: {exc}") from None
     if tuple(arr.shape) != tuple(shape):
         raise DumpError(f"{path}: {key}: shape {list(arr.shape)} disagrees with the spec "
                         f"(expected {list(shape)})")
-    if not _floating(arr.dtype, dtype):
-        raise DumpError(f"{path}: {key}: dtype {arr.dtype} is not a floating dtype "
-                        f"(bfloat16 may be stored as raw 2-byte values)")
+    problem = _dtype_problem(arr.dtype, dtype)
+    if problem:
+        raise DumpError(f"{path}: {key}: {problem}")
     return as_float64(arr, dtype)
 
 
 def _floating(dt: np.dtype, spec_dtype: str) -> bool:
-    """A float dtype the oracle reads: fp16/32/64, or raw 2-byte values for bfloat16."""
+    """A float dtype the oracle reads: fp16/32/64, bfloat16, or raw 2-byte values (``V2`` or
+    ``uint16``: numpy's .npz cannot name bfloat16) for a bfloat16 param only -- the same raw
+    bytes read as bfloat16 for an fp16 param are other numbers, and a wrong result could
+    pass (found by a red-team review)."""
+    return _dtype_problem(dt, spec_dtype) is None
+
+
+def _dtype_problem(dt: np.dtype, spec_dtype: str) -> Optional[str]:
+    """Why the oracle will not read values of ``dt`` for a ``spec_dtype`` param (None: it
+    will)."""
     if dt.hasobject:
-        return False
-    if dt.kind == "f":
-        return dt.itemsize in (2, 4, 8) or dt.name == "bfloat16"
-    raw_bf16 = dt.kind == "V" and dt.itemsize == 2 and dt.fields is None and dt.subdtype is None
-    return raw_bf16 or (dt == np.uint16 and spec_dtype == "bfloat16")
+        return f"dtype {dt} is not a floating dtype"
+    if dt.kind == "f" and dt.itemsize in (2, 4, 8) or dt.name == "bfloat16":
+        return None
+    raw = (dt.kind == "V" and dt.itemsize == 2 and dt.fields is None and dt.subdtype is None
+           or dt == np.uint16)
+    if raw and spec_dtype == "bfloat16":
+        return None
+    if raw:
+        return (f"dtype {dt}: raw 2-byte values are read as bfloat16 bits, but the spec says "
+                f"{spec_dtype}; store {spec_dtype} values as {spec_dtype}")
+    return (f"dtype {dt} is not a floating dtype (bfloat16 may be stored as raw 2-byte "
+            f"values)")

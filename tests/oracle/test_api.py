@@ -377,7 +377,7 @@ def test_pytest_plugin_fixture_fails_a_test_naming_the_param(tmp_path):
             assert report.ok and (tmp_path / "oracle-report.json").exists()
 
         def test_bad(mpifusion_oracle):
-            mpifusion_oracle(SPEC, [{"in/w/0": x, "out/w": X[0]} for x in X])
+            mpifusion_oracle(SPEC, [{"in/w/0": x, "out/w": X[0].copy()} for x in X])
     """))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(test)], capture_output=True, text=True, timeout=120,
