@@ -6,6 +6,7 @@ blocked in a collective until the timeout).
 """
 import os
 import sys
+import time
 
 import pytest
 
@@ -42,6 +43,9 @@ def pytest_runtest_makereport(item, call):
             sys.stderr.write(f"\n[rank {comm.Get_rank()}] FAILED {item.nodeid} "
                              f"({report.when}):\n{report.longreprtext}\n")
             sys.stderr.flush()
+            # the launcher forwards output asynchronously and drops what is still on its way
+            # when the abort kills the job: seen under load (an empty failure report)
+            time.sleep(0.5)
             comm.Abort(1)
 
 
