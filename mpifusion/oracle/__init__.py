@@ -27,7 +27,8 @@ def assert_matches_reference(spec: Any, dumps: Any, **options: Any) -> CheckRepo
 
 
 def plot_report(report: CheckReport, path: str) -> str:
-    """Draw error/bound per param and rank into ``path`` (needs matplotlib)."""
+    """Draw error/bound per param and rank into ``path`` (needs matplotlib); returns the file
+    written: ``path``, plus ``.png`` when it has no extension (a directory is refused)."""
     from .plot import plot_report as _plot
 
     return _plot(report, path)

@@ -29,10 +29,29 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_report(report: Any, path: str) -> str:
+def plot_path(path: Any) -> str:
+    """The file ``plot_report`` writes for ``path``: ``path`` itself when it has an extension
+    (which picks the format, as matplotlib does), else ``path`` + ``.png``. A path that names
+    a directory (an existing one, or one ending in a separator) is a :class:`PlotError`."""
+    text = os.fspath(path)
+    seps = tuple(s for s in (os.sep, os.altsep) if s)
+    if not text or text.endswith(seps) or os.path.basename(text) in ("", ".", "..") or \
+            os.path.isdir(text):
+        raise PlotError(f"{text or repr(text)}: names a directory, not a file (give a file "
+                        f"name such as {os.path.join(text or '.', 'check.png')})")
+    if not os.path.splitext(text)[1][1:]:  # no extension (or a trailing dot): PNG
+        text = text.rstrip(".") + ".png"
+        if os.path.isdir(text):
+            raise PlotError(f"{text}: names a directory, not a file")
+    return text
+
+
+def plot_report(report: Any, path: Any) -> str:
     """Horizontal bars of max |error| / bound per param (rows) and rank (one colour each) on
     a log axis with the bound (1) marked; failing params in red, all-gather mismatches and
-    shard gaps listed below. Returns ``path``."""
+    shard gaps listed below. Returns the path written (:func:`plot_path`)."""
+    path = plot_path(path)
+    fmt = os.path.splitext(path)[1][1:].lower()
     plt = _pyplot()
     names = [s.name for s in report.stats]
     ranks = sorted({r for per in report.rank_stats.values() for r in per})
@@ -102,9 +121,9 @@ def plot_report(report: Any, path: str) -> str:
         fig.subplots_adjust(bottom=min(0.5, 0.06 + 0.22 * len(shown) / fig_h))
     fig.tight_layout(rect=(0, min(0.5, 0.22 * len(extra[:13]) / fig_h), 1, 1))
     try:
-        fig.savefig(os.fspath(path), dpi=110)
+        fig.savefig(path, dpi=110, format=fmt)  # the format given: matplotlib adds nothing
     except (OSError, ValueError) as exc:
         raise PlotError(f"{path}: cannot write: {getattr(exc, 'strerror', None) or exc}") from None
     finally:
         plt.close(fig)
-    return os.fspath(path)
+    return path

@@ -290,7 +290,8 @@ def _input_errors() -> tuple:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from .render import diff_layouts, layout_json, layout_table
+    from .render import (LayoutDocError, check_layout_doc, compare_layouts, layout_json,
+                         layout_table, reject_constant, reject_duplicate_keys)
 
     from ..limits import InputLimitError, layout_problem, loads_json, read_text
 
@@ -303,17 +304,16 @@ def cmd_layout(args: argparse.Namespace) -> int:
     doc = layout_json(spec, buffers)
     if args.layout is not None:
         try:  # a regular file, bounded in size, depth and integer digits
-            theirs = loads_json(read_text(args.layout))
+            theirs = loads_json(read_text(args.layout), object_pairs_hook=reject_duplicate_keys,
+                                parse_constant=reject_constant)
+            check_layout_doc(theirs)  # the schema's fields of the schema's types (one line)
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{args.layout}: cannot read: {getattr(exc, 'strerror', None) or exc}")
-        except InputLimitError as exc:
+        except (InputLimitError, LayoutDocError) as exc:
             raise UsageError(f"{args.layout}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise UsageError(f"{args.layout}: not valid JSON: {exc}")
-        if not isinstance(theirs, dict) or "buffers" not in theirs:
-            raise UsageError(f"{args.layout}: buffers: missing (expected the layout --json "
-                             f"schema)")
-        diffs = diff_layouts(doc, theirs)
+        diffs = compare_layouts(doc, theirs)
         for line in diffs:
             _say(line)
         _say(f"FAIL: {len(diffs)} difference(s) from {args.layout}" if diffs
@@ -366,12 +366,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     """A thin layer over :func:`mpifusion.oracle.check`: print its report, exit 0/1."""
     from ..oracle import check
 
-    report = check(args.spec, args.dir, reduce_avg=args.reduce_avg)
+    plot_file = None
     if args.plot:
-        from ..oracle.plot import PlotError, plot_report
+        from ..oracle.plot import PlotError, plot_path, plot_report
 
+        try:  # a directory is refused before the check; the path printed is the one written
+            plot_file = plot_path(args.plot)
+        except PlotError as exc:
+            raise UsageError(f"--plot: {exc}") from None
+    report = check(args.spec, args.dir, reduce_avg=args.reduce_avg)
+    if plot_file is not None:
         try:
-            plot_report(report, args.plot)
+            plot_file = plot_report(report, plot_file)
         except PlotError as exc:
             raise UsageError(f"--plot: {exc}") from None
     if args.json:
@@ -379,8 +385,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         for line in report.lines():
             _say(line)
-        if args.plot:
-            _say(f"plot: {args.plot}")
+        if plot_file is not None:
+            _say(f"plot: {plot_file}")
     return EXIT_PASS if report.ok else EXIT_FAIL
 
 

@@ -103,7 +103,8 @@ def diff_layouts(ours: Any, theirs: Any, path: str = "") -> list:
                 out.append(f"{sub}: not in ours (theirs {_show(theirs[key])})")
         return out
     if isinstance(ours, list) and isinstance(theirs, list):
-        named = all(isinstance(x, dict) and "name" in x for x in ours + theirs) and ours
+        named = all(isinstance(x, dict) and isinstance(x.get("name"), str)
+                    for x in ours + theirs) and ours
         if named:
             return _diff_named(ours, theirs, path)
         out = []
@@ -120,9 +121,16 @@ def diff_layouts(ours: Any, theirs: Any, path: str = "") -> list:
 
 
 def _diff_named(ours: list, theirs: list, path: str) -> list:
+    """Lists of ``{"name": ...}`` objects matched by name. A name twice in one list is a
+    difference of its own (never silently one of the two): the first is compared, the others
+    are reported as duplicates."""
     out = []
-    mine = {x["name"]: i for i, x in enumerate(ours)}
-    other = {x["name"]: i for i, x in enumerate(theirs)}
+    mine, mine_dups = _first_by_name(ours)
+    other, other_dups = _first_by_name(theirs)
+    for side, dups in (("ours", mine_dups), ("theirs", other_dups)):
+        for name, first, again in dups:
+            out.append(f"duplicate param name {name} in {side} ({path}[{first}] and "
+                       f"{path}[{again}])")
     common_ours = [n for n in mine if n in other]
     common_theirs = sorted(common_ours, key=other.get)
     if common_ours != common_theirs:  # reordered, not just an insertion or deletion
@@ -136,3 +144,155 @@ def _diff_named(ours: list, theirs: list, path: str) -> list:
         if name not in mine:
             out.append(f"{path}[{j}] ({name}): not in ours")
     return out
+
+
+def _first_by_name(items: list) -> tuple:
+    """``{name: index of its first use}`` and ``[(name, first, later)]`` for every repeat."""
+    first: dict = {}
+    dups = []
+    for i, x in enumerate(items):
+        name = x["name"]
+        if name in first:
+            dups.append((name, first[name], i))
+        else:
+            first[name] = i
+    return first, dups
+
+
+def duplicate_params(doc: dict, side: str) -> list:
+    """One line per param name used in two different buffers of a layout document (a name
+    repeated within one buffer is reported by :func:`diff_layouts`)."""
+    seen: dict = {}
+    out = []
+    buffers = doc.get("buffers") if isinstance(doc, dict) else None
+    for i, b in enumerate(buffers if isinstance(buffers, list) else []):
+        params = b.get("params") if isinstance(b, dict) else None
+        for j, p in enumerate(params if isinstance(params, list) else []):
+            name = p.get("name") if isinstance(p, dict) else None
+            if not isinstance(name, str):
+                continue
+            if name in seen and seen[name][0] != i:
+                k, l = seen[name]
+                out.append(f"duplicate param name {name} in {side} (buffers[{k}].params[{l}] "
+                           f"and buffers[{i}].params[{j}])")
+            seen.setdefault(name, (i, j))
+    return out
+
+
+def compare_layouts(ours: dict, theirs: dict) -> list:
+    """Every difference between our layout document and theirs (``mpifusion layout
+    --layout``): a param name used twice on either side, then :func:`diff_layouts`."""
+    return duplicate_params(ours, "ours") + duplicate_params(theirs, "theirs") + \
+        diff_layouts(ours, theirs)
+
+
+# ------------------------------------------------------------------ their document, validated
+
+class LayoutDocError(ValueError):
+    """THEIRS is not a layout document: one line naming the field (``buffers[0].params[1].name:
+    expected a string, got list``)."""
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {_show(value)}"
+    if isinstance(value, str):
+        text = _show(value)
+        return f"string {text if len(text) <= 40 else text[:37] + '...'}"
+    if isinstance(value, (int, float)):
+        text = _show(value)
+        return f"number {text if len(text) <= 40 else text[:37] + '...'}"
+    return {list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _want_int(value: Any, where: str, *, null: bool = False) -> None:
+    if null and value is None:
+        return
+    if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise LayoutDocError(f"{where}: expected an integer{' or null' if null else ''}, "
+                             f"got {_kind(value)}")
+
+
+def _want_str(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise LayoutDocError(f"{where}: expected a string, got {_kind(value)}")
+
+
+def _want(value: Any, kind: type, where: str) -> None:
+    if not isinstance(value, kind):
+        name = "a list" if kind is list else "an object"
+        raise LayoutDocError(f"{where}: expected {name}, got {_kind(value)}")
+
+
+def check_layout_doc(doc: Any) -> None:
+    """Raise :class:`LayoutDocError` unless ``doc`` has the ``mpifusion layout --json``
+    shape wherever the comparator reads it: ``buffers`` a list of objects whose ``params``
+    are objects with a string ``name``; the fields of the schema that are present of their
+    type (integers, strings, a list of integers for ``shape``, ``null`` or ``[begin, end]``
+    per rank for ``slices``). Missing or extra fields other than these are differences,
+    reported by :func:`compare_layouts`, not errors."""
+    if not isinstance(doc, dict) or "buffers" not in doc:
+        raise LayoutDocError("buffers: missing (expected the layout --json schema)")
+    for key in ("act",):
+        if key in doc:
+            _want_str(doc[key], key)
+    if "nranks" in doc:
+        _want_int(doc["nranks"], "nranks", null=True)
+    for key in ("group_size", "alignment_bytes"):
+        if key in doc:
+            _want_int(doc[key], key)
+    _want(doc["buffers"], list, "buffers")
+    for i, b in enumerate(doc["buffers"]):
+        where = f"buffers[{i}]"
+        _want(b, dict, where)
+        for key in ("index", "numel"):
+            if key in b:
+                _want_int(b[key], f"{where}.{key}")
+        for key in ("dtype", "grad_dtype"):
+            if key in b:
+                _want_str(b[key], f"{where}.{key}")
+        if "params" not in b:
+            continue
+        _want(b["params"], list, f"{where}.params")
+        for j, p in enumerate(b["params"]):
+            at = f"{where}.params[{j}]"
+            _want(p, dict, at)
+            if "name" not in p:
+                raise LayoutDocError(f"{at}.name: missing (params are matched by name)")
+            _want_str(p["name"], f"{at}.name")
+            for key in ("offset", "numel", "padded_numel"):
+                if key in p:
+                    _want_int(p[key], f"{at}.{key}")
+            if "shape" in p:
+                _want(p["shape"], list, f"{at}.shape")
+                for k, dim in enumerate(p["shape"]):
+                    _want_int(dim, f"{at}.shape[{k}]")
+            if "slices" in p:
+                _want(p["slices"], list, f"{at}.slices")
+                for r, piece in enumerate(p["slices"]):
+                    if piece is None:
+                        continue
+                    if not isinstance(piece, list) or len(piece) != 2:
+                        raise LayoutDocError(f"{at}.slices[{r}]: expected null or [begin, "
+                                             f"end], got {_kind(piece)}")
+                    for k, bound in enumerate(piece):
+                        _want_int(bound, f"{at}.slices[{r}][{k}]")
+
+
+def reject_duplicate_keys(pairs: list) -> dict:
+    """``object_pairs_hook`` for THEIRS: a key twice in one object (the last silently wins
+    in ``json.loads``) is bad input."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise LayoutDocError(f"duplicate key {_show(key)} in a JSON object")
+        out[key] = value
+    return out
+
+
+def reject_constant(name: str) -> Any:
+    """``parse_constant`` for THEIRS: NaN and Infinity are not JSON."""
+    raise LayoutDocError(f"not valid JSON: {name} is not allowed")

@@ -165,3 +165,189 @@ def test_layout_json_matches_buffers_built_under_mpi(comm, capsys):
             assert row["offset"] == buf.layout[p.name].offset
             piece = buf.layout.slice_of(p.name, rank)
             assert row["slices"][rank] == (list(piece) if piece else None)
+
+
+# ------------------------------------------------------------------ --layout: hostile THEIRS
+
+
+def _ours(capsys, *argv: str) -> dict:
+    code, out, _ = run_cli(capsys, "layout", *argv, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+def _compare(capsys, tmp_path, theirs, *argv: str, text: bool = False) -> tuple:
+    path = tmp_path / "theirs.json"
+    path.write_text(theirs if text else json.dumps(theirs))
+    code, out, err = run_cli(capsys, "layout", *argv, "--layout", str(path))
+    return code, out, err, str(path)
+
+
+def _index(doc: dict, name: str) -> tuple:
+    for i, b in enumerate(doc["buffers"]):
+        for j, p in enumerate(b["params"]):
+            if p["name"] == name:
+                return i, j
+    raise KeyError(name)
+
+
+def test_duplicate_name_inserted_before_the_real_one_fails(capsys, tmp_path):
+    """A second fc1.bias at another offset ahead of the real one: it used to win the name
+    map and the comparison said PASS."""
+    theirs = _ours(capsys)
+    params = theirs["buffers"][0]["params"]
+    j = [p["name"] for p in params].index("fc1.bias")
+    params.insert(j, dict(params[j], offset=params[j]["offset"] + 64))
+    code, out, err, path = _compare(capsys, tmp_path, theirs)
+    assert code == 1 and err == "", out + err
+    assert (f"duplicate param name fc1.bias in theirs (buffers[0].params[{j}] and "
+            f"buffers[0].params[{j + 1}])") in out.splitlines()
+    assert "PASS" not in out
+    assert out.strip().splitlines()[-1].startswith("FAIL: ")
+
+
+def test_duplicate_name_appended_at_the_end_is_a_duplicate_not_an_order_change(capsys,
+                                                                               tmp_path):
+    theirs = _ours(capsys)
+    params = theirs["buffers"][0]["params"]
+    j = [p["name"] for p in params].index("fc1.bias")
+    params.append(dict(params[j]))  # an exact copy: nothing else differs
+    code, out, _, path = _compare(capsys, tmp_path, theirs)
+    assert code == 1
+    assert out.strip().splitlines() == [
+        f"duplicate param name fc1.bias in theirs (buffers[0].params[{j}] and "
+        f"buffers[0].params[{len(params) - 1}])",
+        f"FAIL: 1 difference(s) from {path}"]
+
+
+def test_duplicate_name_in_another_buffer_is_named_with_both_places(capsys, tmp_path):
+    theirs = _ours(capsys, "--group-size", "16K")
+    assert len(theirs["buffers"]) > 2
+    i, j = _index(theirs, "fc1.bias")
+    last = theirs["buffers"][-1]["params"]
+    last.append(dict(theirs["buffers"][i]["params"][j]))
+    code, out, _, _ = _compare(capsys, tmp_path, theirs, "--group-size", "16K")
+    assert code == 1
+    k = len(theirs["buffers"]) - 1
+    assert (f"duplicate param name fc1.bias in theirs (buffers[{i}].params[{j}] and "
+            f"buffers[{k}].params[{len(last) - 1}])") in out.splitlines()
+
+
+def test_duplicates_on_our_side_are_reported_too():
+    from mpifusion.tools.render import compare_layouts
+
+    ours = {"buffers": [{"params": [{"name": "a", "offset": 0}, {"name": "a", "offset": 64}]},
+                        {"params": [{"name": "b", "offset": 0}]}]}
+    theirs = {"buffers": [{"params": [{"name": "a", "offset": 0}]},
+                          {"params": [{"name": "b", "offset": 0}, {"name": "a", "offset": 0}]}]}
+    diffs = compare_layouts(ours, theirs)
+    assert "duplicate param name a in ours (buffers[0].params[0] and buffers[0].params[1])" \
+        in diffs
+    assert "duplicate param name a in theirs (buffers[0].params[0] and buffers[1].params[1])" \
+        in diffs
+
+
+@pytest.mark.parametrize("name, kind", [
+    (["fc1.bias"], "list"), ({"n": "fc1.bias"}, "object"), (7, "number 7"), (None, "null"),
+    (True, "boolean true"),
+])
+def test_non_string_name_is_bad_input(capsys, tmp_path, name, kind):
+    theirs = _ours(capsys)
+    theirs["buffers"][0]["params"][0]["name"] = name
+    code, out, err, path = _compare(capsys, tmp_path, theirs)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"mpifusion layout: error: {path}: buffers[0].params[0].name: expected a string, "
+        f"got {kind}"]
+
+
+@pytest.mark.parametrize("edit, where, words", [
+    (lambda d: d["buffers"][0]["params"][1].pop("name"), "buffers[0].params[1].name",
+     "missing"),
+    (lambda d: d["buffers"][0]["params"][1].update(offset="1664"),
+     "buffers[0].params[1].offset", 'expected an integer, got string "1664"'),
+    (lambda d: d["buffers"][0]["params"][1].update(numel=4369.5),
+     "buffers[0].params[1].numel", "expected an integer, got number 4369.5"),
+    (lambda d: d["buffers"][0]["params"][1].update(padded_numel=[4416]),
+     "buffers[0].params[1].padded_numel", "expected an integer, got list"),
+    (lambda d: d["buffers"][0]["params"][1].update(shape=[257, "17"]),
+     "buffers[0].params[1].shape[1]", 'expected an integer, got string "17"'),
+    (lambda d: d["buffers"][0]["params"][1].update(shape="257x17"),
+     "buffers[0].params[1].shape", 'expected a list, got string "257x17"'),
+    (lambda d: d["buffers"][0]["params"].__setitem__(1, ["fc1.weight"]),
+     "buffers[0].params[1]", "expected an object, got list"),
+    (lambda d: d["buffers"][0].update(params={"fc1.weight": {}}),
+     "buffers[0].params", "expected a list, got object"),
+    (lambda d: d["buffers"][0].update(numel=None), "buffers[0].numel",
+     "expected an integer, got null"),
+    (lambda d: d["buffers"][0].update(dtype=32), "buffers[0].dtype",
+     "expected a string, got number 32"),
+    (lambda d: d.update(buffers={"0": {}}), "buffers", "expected a list, got object"),
+    (lambda d: d["buffers"].append(7), "buffers[1]", "expected an object, got number 7"),
+    (lambda d: d.update(group_size="256M"), "group_size", 'expected an integer, got string'),
+    (lambda d: d.update(nranks="all"), "nranks", "expected an integer or null, got string"),
+    (lambda d: d.update(act=None), "act", "expected a string, got null"),
+])
+def test_malformed_field_of_theirs_is_bad_input(capsys, tmp_path, edit, where, words):
+    theirs = _ours(capsys)
+    edit(theirs)
+    code, out, err, path = _compare(capsys, tmp_path, theirs)
+    assert code == 2 and out == "" and "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"mpifusion layout: error: {path}: {where}: {words}"), line
+
+
+@pytest.mark.parametrize("edit, where, words", [
+    (lambda p: p.update(slices="r0"), "slices", "expected a list, got string"),
+    (lambda p: p["slices"].__setitem__(1, [0, 64, 128]), "slices[1]",
+     "expected null or [begin, end], got list"),
+    (lambda p: p["slices"].__setitem__(0, [0, None]), "slices[0][1]",
+     "expected an integer, got null"),
+])
+def test_malformed_slices_of_theirs_are_bad_input(capsys, tmp_path, edit, where, words):
+    argv = ("--act", "reduce_scatter", "--nranks", "3")
+    theirs = _ours(capsys, *argv)
+    edit(theirs["buffers"][0]["params"][0])
+    code, out, err, path = _compare(capsys, tmp_path, theirs, *argv)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"mpifusion layout: error: {path}: buffers[0].params[0].{where}: "
+                           f"{words}"), line
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"buffers": [{"params": [{"name": "a", "name": "b"}]}]}', 'duplicate key "name"'),
+    ('{"buffers": [], "nranks": NaN}', "NaN is not allowed"),
+])
+def test_ambiguous_json_in_theirs_is_bad_input(capsys, tmp_path, text, words):
+    code, out, err, path = _compare(capsys, tmp_path, text, text=True)
+    assert code == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"mpifusion layout: error: {path}: ") and words in line, line
+
+
+def test_integral_floats_and_extra_fields_are_still_compared_not_refused(capsys, tmp_path):
+    theirs = _ours(capsys)
+    theirs["buffers"][0]["params"][1]["offset"] = 1664.0  # equal as a number
+    theirs["buffers"][0]["params"][1]["note"] = "extra"
+    code, out, _, _ = _compare(capsys, tmp_path, theirs)
+    assert code == 1
+    assert out.strip().splitlines()[:-1] == [
+        'buffers[0].params[1](fc1.weight).note: not in ours (theirs "extra")']
+
+
+def test_non_string_name_under_mpiexec_is_one_line_and_exit_2(tmp_path):
+    import sys
+
+    from tests.helpers import run_job
+
+    theirs = {"act": "all_reduce", "buffers": [{"params": [{"name": ["fc1.bias"]}]}]}
+    path = tmp_path / "theirs.json"
+    path.write_text(json.dumps(theirs))
+    res = run_job(2, [sys.executable, "-m", "mpifusion", "layout", "--layout", str(path)],
+                  timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stdout == "" and "Traceback" not in res.stderr
+    assert [line for line in res.stderr.splitlines() if line.strip()] == [
+        f"mpifusion layout: error: {path}: buffers[0].params[0].name: expected a string, "
+        f"got list"]
