@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -86,6 +86,12 @@ _MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
 def _spec(arr: Any) -> list:
     """mpi4py buffer spec for a flat fp32/fp64 array (predefined types, so MPI_SUM applies)."""
     return [arr, _MPI_TYPES[arr.dtype.name]]
+
+
+def _prepared(prepare: Callable[[], None], steps: Steps) -> Iterator[Any]:
+    """``steps`` once ``prepare()`` ran: when the engine reaches them, after the order check."""
+    prepare()
+    yield from steps
 
 
 class Communicator:
@@ -257,12 +263,18 @@ class Communicator:
         return seg
 
     def _start(self, steps: Steps, keep: Sequence[Any], name: str,
-               desc: Sequence[int], nbytes: Optional[int] = None) -> CommTask:
+               desc: Sequence[int], nbytes: Optional[int] = None,
+               prepare: Optional[Callable[[], None]] = None) -> CommTask:
         """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
-        the order check compares (and OrderError names); ``nbytes`` its size on this rank
-        (small ones may run inline; default: of ``keep``), the same on every rank when
-        ``desc`` is."""
+        the order check compares (and OrderError names) with this communicator's key (buffer
+        ids may repeat); ``nbytes`` its size on this rank (small ones may run inline;
+        default: of ``keep``), the same on every rank when ``desc`` is. ``prepare`` runs right
+        before the first call that exchanges data -- after the order check -- so a collective
+        refused by the check changed nothing (a buffer's pre-scaling by 1/n)."""
         self.check_usable(name)
+        desc = (*desc, self.key)
+        if prepare is not None:
+            steps = _prepared(prepare, steps)
         task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
                         timeout=self.timeout)
         task.window = self.window
@@ -287,7 +299,8 @@ class Communicator:
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
     def allreduce(self, buf: Any, scale: Optional[float] = None,
-                  name: str = "allreduce", tag: Tuple[int, int] = (-1, -1)) -> CommTask:
+                  name: str = "allreduce", tag: Tuple[int, int] = (-1, -1),
+                  prepare: Optional[Callable[[], None]] = None) -> CommTask:
         cuda.synchronize(buf)
         steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank,
                                 window=self.window,
@@ -295,11 +308,12 @@ class Communicator:
                                                    and buf.nbytes > INLINE_MAX_BYTES) else 0)
         return self._start(steps, (buf,), name,
                            (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag),
-                           buf.nbytes)
+                           buf.nbytes, prepare)
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
                name: str = "reduce", tag: Tuple[int, int] = (-1, -1),
-               sent_scale: Optional[float] = None) -> CommTask:
+               sent_scale: Optional[float] = None,
+               prepare: Optional[Callable[[], None]] = None) -> CommTask:
         """Sum to ``root``, ``scale`` applied there; the other ranks keep their own values,
         scaled by ``sent_scale`` if given (each segment after it was sent, in cache)."""
         if (isinstance(root, bool) or not isinstance(root, (int, np.integer))
@@ -311,12 +325,13 @@ class Communicator:
                                  rank=self.rank, window=self.window, sent_scale=sent_scale)
         return self._start(steps, (buf,), name,
                            (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag),
-                           buf.nbytes)
+                           buf.nbytes, prepare)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
                        name: str = "reduce_scatter",
                        tag: Tuple[int, int] = (-1, -1),
-                       others_scale: Optional[float] = None) -> CommTask:
+                       others_scale: Optional[float] = None,
+                       prepare: Optional[Callable[[], None]] = None) -> CommTask:
         """Sum ``sendbuf`` over ranks; this rank's equal share lands in ``recvbuf`` (which may
         be that share of ``sendbuf`` itself), ``scale`` applied to it. The other shares of
         ``sendbuf`` keep this rank's own values, scaled by ``others_scale`` if given (each
@@ -333,7 +348,7 @@ class Communicator:
                                       others_scale=others_scale)
         return self._start(steps, (sendbuf, recvbuf), name,
                            (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
-                            -1, *tag), sendbuf.nbytes + recvbuf.nbytes)
+                            -1, *tag), sendbuf.nbytes + recvbuf.nbytes, prepare)
 
     def allgather_inplace(self, buf: Any, name: str = "allgather",
                           tag: Tuple[int, int] = (-1, -1)) -> CommTask:

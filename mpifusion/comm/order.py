@@ -58,10 +58,15 @@ def fingerprint(values: Sequence[int]) -> int:
 
 
 def describe_call(row: Sequence[int]) -> str:
-    """One rank's description ``[seq, kind, count, dtype, root, buffer, step]`` in words."""
-    seq, kind, count, dtype, root, buf, step = (int(v) for v in row)
+    """One rank's description ``[seq, kind, count, dtype, root, buffer, step(, key)]`` in
+    words; ``key``: which of the communicators built on the user's one started it (buffer ids
+    are the user's and may repeat: fused_parameters numbers each split from 0)."""
+    seq, kind, count, dtype, root, buf, step = (int(v) for v in row[:7])
+    key = int(row[7]) if len(row) > 7 else -1
     what = KINDS.get(kind, f"kind {kind}")
-    text = f"{'buffer %d ' % buf if buf >= 0 else ''}{'step %d ' % step if step >= 0 else ''}{what}"
+    text = (f"{'buffer %d ' % buf if buf >= 0 else ''}"
+            f"{'(#%d built on this communicator) ' % key if key >= 0 else ''}"
+            f"{'step %d ' % step if step >= 0 else ''}{what}")
     if kind not in (BARRIER, ROUND):
         text += f" of {count} {_DTYPES[dtype] if dtype < len(_DTYPES) else 'elements'}"
     if kind == REDUCE:
@@ -85,8 +90,9 @@ def order_message(rank: int, rows: np.ndarray, where: str) -> str:
 
 def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
     """``steps`` preceded by the order check (one all-reduce of two uint64, non-blocking on
-    every engine: see :data:`task.Call`). The fingerprint covers the form of the calls that
-    follow, so ranks that would issue them differently stop here instead of deadlocking."""
+    every engine: see :data:`task.Call`). ``desc`` is (kind, count, dtype, root, buffer id,
+    step, communicator key). The fingerprint covers the form of the calls that follow, so
+    ranks that would issue them differently stop here instead of deadlocking."""
     values = (task.seq, *desc)
     h = fingerprint((*values, task.polled))
     # the engine's scratch: its tasks run one at a time, and this is a fence

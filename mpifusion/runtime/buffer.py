@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from mpi4py import MPI
 
-from ..arrays import backend
+from ..arrays import backend, cuda
 from ..comm import CommTask, Communicator
 from ..config import CommOptions, naninf_check_from_env, parse_bool
 from ..dtypes import as_dtype
@@ -49,6 +49,12 @@ from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dens
                       plan_or_raise, set_grad, slot_view, world_rank)
 
 logger = logging.getLogger("mpifusion")
+
+
+def _prescale(grads: Any, factor: float) -> None:
+    """``scale_after_comm=False``: the buffer times 1/n before it is sent."""
+    backend.scale_(grads, factor)
+    cuda.synchronize(grads)  # the collective's copies and calls read it next
 
 
 def _locked(method: Callable) -> Callable:
@@ -583,8 +589,11 @@ class FusedCommBuffer(ShardedParams):
         if self._naninf_check:
             self._check_naninf()
         n = self._comm.size
+        prepare: Optional[Callable[[], None]] = None
         if not self._scale_after_comm and not self._use_reduce_avg:
-            backend.scale_(self.grad_storage, 1.0 / n)
+            # Paddle scales before the collective; here it runs once the order check passed,
+            # so an OrderError leaves the grads unscaled, as it says (red-team finding)
+            prepare = functools.partial(_prescale, self.grad_storage, 1.0 / n)
         # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
         # while it is still wide (fp32 for half buffers: one rounding) and in cache. Paddle's
         # scale_grads scales the whole buffer after the wait, so with scale-after-comm the
@@ -597,10 +606,11 @@ class FusedCommBuffer(ShardedParams):
         self._task_seq = self._start_collective()
         if self._act == HookAction.ALL_REDUCE:
             self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name,
-                                              tag=(self._id, self._step))
+                                              tag=(self._id, self._step), prepare=prepare)
         elif self._act == HookAction.REDUCE:
             self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name,
-                                           tag=(self._id, self._step), sent_scale=own)
+                                           tag=(self._id, self._step), sent_scale=own,
+                                           prepare=prepare)
         else:
             begin, end = self.layout.shard_range(self._comm.rank)
             if self._free_grads_in_comm:
@@ -609,7 +619,7 @@ class FusedCommBuffer(ShardedParams):
                 shard = self.grad_storage[begin:end]
             self._task = self._comm.reduce_scatter(
                 self.grad_storage, shard, scale=avg, name=name, tag=(self._id, self._step),
-                others_scale=None if self._free_grads_in_comm else own)
+                others_scale=None if self._free_grads_in_comm else own, prepare=prepare)
             if self._free_grads_in_comm:
                 self._pre_comm_grads = self.grad_storage  # until the shard holds the result
                 self.reset_grad_storage(shard)

@@ -1,0 +1,77 @@
+"""Order-check findings of a red-team review (2026-12-04), each a silently wrong result before:
+an OrderError that had already pre-scaled the grads, and buffers sharing an id (as every split
+of fused_parameters numbers its groups from 0) started in different orders."""
+import numpy as np
+import pytest
+
+from mpifusion import CommOptions, FusedCommBuffer, Param, fused_parameters
+from mpifusion.errors import OrderError
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("strategy", ["thread", "nonblocking"])
+def test_order_error_leaves_prescaled_grads_unchanged(comm, strategy):
+    """``scale_after_comm=False`` scales by 1/n before the collective (Paddle); an OrderError
+    says no grad changed, so the scaling must wait for the check. Retry after reset() gives
+    the mean, not mean/n."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("an order mismatch needs two ranks")
+    pa, pb = Param("a", np.zeros(40, np.float32)), Param("b", np.zeros(40, np.float32))
+    bufs = [FusedCommBuffer(i, [p], comm, act="all_reduce", scale_after_comm=False,
+                            comm_options=CommOptions(strategy=strategy)) for i, p in enumerate((pa, pb))]
+    A, B = bufs
+    order = [(B, pb), (A, pa)] if rank == 0 else [(A, pa), (B, pb)]
+    for buf, p in order:
+        buf.add_grad(p, grad=np.full(40, rank + 1.0, np.float32))
+    errors = 0
+    for buf in bufs:
+        try:
+            buf.scale_grads()
+        except OrderError as exc:
+            errors += 1
+            assert "no grad changed" in str(exc)
+    assert errors == 2
+    # nothing was scaled: each rank still holds its own gradient
+    assert (pa.grad == rank + 1.0).all() and (pb.grad == rank + 1.0).all()
+    for buf, p in ((A, pa), (B, pb)):
+        buf.reset()
+        buf.add_grad(p)   # the grad it holds, checked in again, now in the same order
+    A.scale_grads()
+    B.scale_grads()
+    mean = np.float32(sum(np.float32(r + 1) * np.float32(1.0 / n) for r in range(n)))
+    expected = np.float32(0)
+    for r in range(n):  # Paddle's numbers: each rank's grad times fl(1/n), then summed
+        expected = np.float32(expected + np.float32(np.float32(r + 1) * np.float32(1.0 / n)))
+    assert np.allclose(pa.grad, mean, rtol=1e-6) and np.allclose(pb.grad, mean, rtol=1e-6)
+    assert np.allclose(pa.grad, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["thread", "nonblocking"])
+def test_buffers_with_one_id_in_different_orders_are_an_order_error(comm, strategy):
+    """fused_parameters numbers the groups of each split (decay / no decay, ...) from 0, so
+    two buffers with id 0 are ordinary; the check tells them apart by which communicator
+    (in construction order) started the collective, not by the user's id."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    if n < 2:
+        pytest.skip("an order mismatch needs two ranks")
+    params = [Param("fc.weight", np.zeros(64, np.float32)),
+              Param("fc.bias", np.zeros(64, np.float32))]
+    _, _, bufs = fused_parameters(params, comm_overlap=True, comm_group=comm,
+                                  act="all_reduce", fuse_param=False,
+                                  comm_options=CommOptions(strategy=strategy),
+                                  apply_decay_param_fun=lambda name: name.endswith("weight"))
+    assert [b.id for b in bufs] == [0, 0]
+    values = {"fc.weight": 1.0, "fc.bias": 100.0}
+    for p in (params if rank % 2 == 0 else params[::-1]):
+        p.backward(np.full(64, values[p.name], np.float32))
+    raised = []
+    for b in bufs:
+        try:
+            b.scale_grads()
+        except OrderError as exc:
+            raised.append(str(exc))
+    assert len(raised) == 2, "mixed the grads of two params without an error"
+    assert "built on this communicator" in raised[0]
+    assert params[0].grad[0] == 1.0 and params[1].grad[0] == 100.0  # nothing exchanged
