@@ -14,10 +14,15 @@ State machine of a ``FusedCommBuffer`` (README, "State machine", says the same):
   them); with a collective still pending it needs ``abandon=True`` (MPI cannot cancel one).
 * ``status`` tracks the *param* buffer of a reduce-scatter buffer: READY (full params
   valid), SHARDED (only this rank's shard is valid, after ``clear``/``reset_param_storage``),
-  SYNCING (``sync_params`` in flight; READY again when its task completes).
+  SYNCING (``sync_params`` in flight; READY again when its task completes; clear/reset of
+  the param storage are refused meanwhile).
+* ``clear_grad_storage`` is refused mid-step (micro-steps counted, communication not
+  finished); ``add_grad``/``mark_unused`` are refused after ``close()``.
 
 Every check that can fail runs before anything is changed, so an error leaves grads,
-counters and buffers as they were. Before anything is allocated, the ranks of comm_group
+counters and buffers as they were: a check-in that starts communication checks first that
+it can (open buffer, a comm_group, nothing abandoned), and a ``NanInfError`` found then
+undoes the call (``_Undo``). Before anything is allocated, the ranks of comm_group
 check in one tiny collective that they build the same buffer (``health.check_agreement``).
 """
 from __future__ import annotations
@@ -45,8 +50,9 @@ from .checkin import CheckIn
 from .options import BufferOptions, dst_group_rank
 from .param import Param
 from .sharded import ShardedParams
-from .storage import (build_reduce_scatter_buffer, check_trainable, flatten_dense_tensors, grad_of,
-                      plan_or_raise, set_grad, slot_view, world_rank)
+from .storage import (build_reduce_scatter_buffer, check_has_data, check_trainable,
+                      device_template, flatten_dense_tensors, grad_of, plan_or_raise, set_grad,
+                      slot_view, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -124,6 +130,7 @@ class FusedCommBuffer(ShardedParams):
             if not isinstance(p, Param):
                 raise LayoutError(f"{where}: params: expected mpifusion.Param objects, "
                                   f"got {type(p).__name__}")
+        check_has_data(self._params, rank, where)  # before anything is opened or allocated
         nranks = comm.size if comm is not None else 1
         opts = BufferOptions(
             act=act, acc_steps=acc_steps, dst=dst, use_main_grad=use_main_grad,
@@ -172,6 +179,9 @@ class FusedCommBuffer(ShardedParams):
 
         self.param_storage = None
         self.grad_storage = None
+        # every later allocation is made like this (device and array module), never like
+        # param.data or grad_storage, which clear_*_storage and release_grads set to None
+        self._like = device_template(self._params)
         self._sharding_param_grad_view: dict = {}
         check_trainable(self._params, rank)
         if act == HookAction.REDUCE_SCATTER:  # planned once, then allocated from the plan
@@ -370,6 +380,8 @@ class FusedCommBuffer(ShardedParams):
             self._add_grad(param, use_comm, grad)
 
     def _add_grad(self, param: Param, use_comm: bool, grad: Any) -> None:
+        if self._closed:
+            self._refuse_closed("add_grad")
         name = param.name
         steps = self._checkin.steps_of(param)
         if steps >= self._acc_steps:
@@ -378,6 +390,13 @@ class FusedCommBuffer(ShardedParams):
                             f"scale_grads() before its next add_grad")
         if grad is not None:
             grad = self._unalias(param, self._check_grad(param, grad))
+        undo = None
+        if (use_comm and steps + 1 == self._acc_steps
+                and self._checkin.count + 1 == len(self._params)):
+            # this call checks the last param in and starts communication: refuse now what
+            # comm_grads would refuse after the grad was added and counted
+            if self._check_startable("add_grad") and self._naninf_check:
+                undo = _Undo(self, (param,))  # a NaN/Inf found then puts this call back
         if steps or not self._release_grads:
             view = param.main_grad if self.use_main_grad else param.grad
             if view is not self._grad_view[name]:
@@ -395,7 +414,36 @@ class FusedCommBuffer(ShardedParams):
         if self._comm is not None:
             self._comm.poll()
         if done and use_comm and self._checkin.all_in:
+            self._comm_grads_or_undo(undo)
+
+    def _comm_grads_or_undo(self, undo: Optional["_Undo"]) -> None:
+        """Start communication after the last check-in; if it is refused before anything
+        was started (NanInfError), put back what this call changed (``undo``)."""
+        try:
             self.comm_grads()
+        except Exception:
+            if undo is not None and self._task is None:
+                undo.restore(self)
+            raise
+
+    def _refuse_closed(self, what: str) -> None:
+        raise StateError(f"{self._where()}: {what}: the buffer was closed (close()); expected "
+                        f"an open buffer (nothing was changed)")
+
+    def _check_startable(self, what: str) -> bool:
+        """What ``_comm_grads`` refuses, checked before a call changes anything; False when
+        there is nothing to communicate (every param has stop_gradient)."""
+        if not self.need_reduce_scale_sync():
+            return False
+        if self._task is not None:
+            raise StateError(f"{self._where()}: {what}: communication already started this "
+                            f"step; expected scale_grads() first")
+        if self._comm is None:
+            raise StateError(f"{self._where()}: {what}: this call would start communication, "
+                            f"but the buffer was built without a comm_group; expected "
+                            f"use_comm=False (nothing was changed)")
+        self._comm.check_usable(f"buffer {self._id} {what}")  # closed or abandoned
+        return True
 
     @_locked
     def mark_unused(self, *params: Param, use_comm: bool = True) -> None:
@@ -406,20 +454,29 @@ class FusedCommBuffer(ShardedParams):
         to the reduction); one with some keeps what it accumulated. When this checks in the
         last param, communication starts as in ``add_grad``. All params are validated first.
         """
+        if self._closed:
+            self._refuse_closed("mark_unused")
         names = []
         for param in params:
             name = getattr(param, "name", None)
             steps = self._checkin.steps_of(param)
-            if steps >= self._acc_steps or name in names:
+            if steps >= self._acc_steps:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
                                 f"checked in this step (acc_steps={self._acc_steps}); "
                                 f"expected scale_grads() first")
+            if name in names:
+                raise GradError(f"{self._where()}: mark_unused: param '{name}' given twice; "
+                                f"expected each param once")
             if self._release_grads and steps == 0:
                 self._check_own_grad(param)
             names.append(name)
         if self.grad_storage is None and not self._release_grads:
             raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
                             f"(clear_grad_storage); expected release_grads=True for that")
+        undo = None
+        if use_comm and names and self._checkin.count + len(names) == len(self._params):
+            if self._check_startable("mark_unused") and self._naninf_check:
+                undo = _Undo(self, params)
         for param in params:
             if self._checkin.steps[param.name] == 0:
                 if self._release_grads:
@@ -430,7 +487,7 @@ class FusedCommBuffer(ShardedParams):
         if self._comm is not None:
             self._comm.poll()
         if use_comm and names and self._checkin.all_in:
-            self.comm_grads()
+            self._comm_grads_or_undo(undo)
 
     @_locked
     def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
@@ -536,7 +593,7 @@ class FusedCommBuffer(ShardedParams):
         """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
         if self.grad_storage is None or self._grads_are_shard:
             # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
-            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, param.data)
+            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, self._like)
             self._grads_are_shard = False
         link = not self._free_grads_in_comm
         if self._act == HookAction.REDUCE_SCATTER:
@@ -614,7 +671,7 @@ class FusedCommBuffer(ShardedParams):
         else:
             begin, end = self.layout.shard_range(self._comm.rank)
             if self._free_grads_in_comm:
-                shard = backend.empty(end - begin, self.grad_storage.dtype, self.grad_storage)
+                shard = backend.empty(end - begin, self.grad_storage.dtype, self._like)
             else:
                 shard = self.grad_storage[begin:end]
             self._task = self._comm.reduce_scatter(
@@ -636,7 +693,8 @@ class FusedCommBuffer(ShardedParams):
                 if c:
                     counts.append(f"{p.name} ({c} of {g.size})")
         raise NanInfError(f"{self._where()}: step {self._step}: grad buffer holds {bad} NaN/Inf "
-                          f"value(s) before communication: {', '.join(counts) or 'in padding'}")
+                          f"value(s) before communication: {', '.join(counts) or 'in padding'}; "
+                          f"nothing was sent and this call changed nothing")
 
     @_locked
     def scale_grads(self) -> None:
@@ -669,15 +727,27 @@ class FusedCommBuffer(ShardedParams):
         self._step += 1
 
     # ------------------------------------------------------------------ grad storage lifetime
+    @_locked
     def clear_grad_storage(self) -> None:
         """Release the grad buffer (after the optimizer used it, with release_grads).
 
         The params' grad views go too (Paddle leaves them holding the reduced values): a kept
         view would keep the whole buffer alive, and the next step would reduce it again.
+        Refused mid-step: while a collective is in flight, and while params have micro-steps
+        this step whose communication has not finished (their grads would be dropped).
         """
         if self._task is not None and not self._task.is_completed():
             raise StateError(f"{self._where()}: clear_grad_storage: communication still in "
                             f"flight; expected scale_grads() first")
+        if self._task is None and any(self._checkin.steps.values()):
+            started = [n for n, k in self._checkin.steps.items() if k]
+            raise StateError(
+                f"{self._where()}: clear_grad_storage: step {self._step} is under way "
+                f"({len(started)} param(s) have micro-steps this step: "
+                f"{', '.join(started[:10])}{' ...' if len(started) > 10 else ''}; "
+                f"{self._checked_in_text()}) and its communication has not finished, so their "
+                f"grads would be lost; expected scale_grads() first (or reset() to drop the "
+                f"step). Nothing was changed")
         self.grad_storage = None
         for p in self._params:
             g = grad_of(p, self.use_main_grad)
@@ -697,3 +767,38 @@ class FusedCommBuffer(ShardedParams):
     # Paddle's private names, for code ported from tensor_fusion_helper
     _clear_grad_storage = clear_grad_storage
     _reset_grad_storage = reset_grad_storage
+
+
+class _Undo:
+    """What ``add_grad``/``mark_unused`` change for some params (their grad slots, grad
+    references, the grad buffer they may allocate, the counters), kept so that a refusal of
+    the communication they start -- before it started (``NanInfError``) -- leaves everything
+    exactly as it was before the call. Taken only when that can happen (``check_naninf``):
+    it copies the params' slots."""
+
+    def __init__(self, buf: FusedCommBuffer, params: Sequence[Param]) -> None:
+        self.storage = buf.grad_storage
+        self.is_shard = buf._grads_are_shard
+        self.steps = dict(buf._checkin.steps)
+        self.count = buf._checkin.count
+        full = self.storage is not None and not self.is_shard
+        self.items = []
+        for p in params:
+            slot = buf.layout[p.name]
+            view = buf._sharding_param_grad_view.get(p.name)
+            self.items.append((
+                p, slot, grad_of(p, buf.use_main_grad), buf._grad_view[p.name],
+                None if view is None else (view, view.grad_buffer, view.slice_grad),
+                self.storage[slot.offset:slot.end].copy() if full else None))
+
+    def restore(self, buf: FusedCommBuffer) -> None:
+        for p, slot, grad, grad_view, sharding, values in self.items:
+            if values is not None:
+                self.storage[slot.offset:slot.end] = values
+            set_grad(p, buf.use_main_grad, grad)
+            buf._grad_view[p.name] = grad_view
+            if sharding is not None:
+                view, view.grad_buffer, view.slice_grad = sharding
+        buf.grad_storage = self.storage
+        buf._grads_are_shard = self.is_shard
+        buf._checkin.undo(self.steps, self.count)

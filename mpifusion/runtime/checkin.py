@@ -39,6 +39,12 @@ class CheckIn:
             return True
         return False
 
+    def undo(self, steps: Dict[str, int], count: int) -> None:
+        """Put the counters back as ``steps``/``count`` (a copy taken before a call that
+        failed after counting, e.g. a NanInfError when the last check-in started comm)."""
+        self.steps.update(steps)
+        self.count = count
+
     def complete(self, name: str) -> None:
         """Check ``name`` in at once (its remaining micro-steps count as zero gradient)."""
         self.steps[name] = self.acc_steps
@@ -52,11 +58,15 @@ class CheckIn:
         return [name for name, n in self.steps.items() if n < self.acc_steps]
 
     def text(self) -> str:
-        """"x/y params checked in: missing a, b" for errors (Megatron's progress counts)."""
+        """"x/y params checked in: missing a, b (1 of 2 micro-steps)" for errors (Megatron's
+        progress counts); a missing param that has some micro-steps says how many."""
         missing = self.missing()
         text = f"{self.count}/{len(self.steps)} params checked in"
         if missing:
-            text += f": missing {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}"
+            shown = [name if not self.steps[name] else
+                     f"{name} ({self.steps[name]} of {self.acc_steps} micro-steps)"
+                     for name in missing[:10]]
+            text += f": missing {', '.join(shown)}{' ...' if len(missing) > 10 else ''}"
         return text
 
     def reset(self) -> None:

@@ -81,18 +81,34 @@ class ShardedParams:
         self.status = self.Status.READY
 
     # ------------------------------------------------------------------ storage lifetime
+    def _refuse_syncing(self, what: str) -> None:
+        """The all-gather of sync_params writes into the param buffer until it completes: a
+        buffer cleared or replaced under it would be READY afterwards with zeros."""
+        task = self.sync_param_task
+        if self.status == self.Status.SYNCING and task is not None and not task.is_completed():
+            raise StateError(f"{self._where()}: {what}: sync_params is still in flight (status "
+                            f"SYNCING: the all-gather writes into the param buffer); expected "
+                            f"its task's wait() (or sync_params(sync=True)) first. Nothing "
+                            f"was changed")
+
     def clear_param_storage(self) -> None:
-        """Release the param buffer (reduce-scatter): params have no data until reset."""
+        """Release the param buffer (reduce-scatter): params have no data until reset.
+        Refused while ``sync_params`` is in flight (SYNCING)."""
         self._require_sharded("clear_param_storage")
+        self._refuse_syncing("clear_param_storage")
         self.param_storage = None
         for p in self._params:
             p.data = None
         self.status = self.Status.SHARDED
 
     def reset_param_storage(self) -> None:
-        """A fresh param buffer, re-viewed by every param; valid again after sync_params."""
+        """A fresh param buffer, re-viewed by every param; valid again after sync_params.
+        Refused while ``sync_params`` is in flight (SYNCING)."""
         self._require_sharded("reset_param_storage")
-        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self.grad_storage)
+        self._refuse_syncing("reset_param_storage")
+        # like the device template recorded at construction: grad_storage is None with
+        # release_grads or after clear_grad_storage, and would give a host buffer
+        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self._like)
         for p in self._params:
             self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
                                                                       copy=False)

@@ -41,6 +41,25 @@ def check_trainable(params: Sequence[Param], rank: int) -> None:
                               f"(stop_gradient=True)")
 
 
+def check_has_data(params: Sequence[Param], rank: int, where: str = "") -> None:
+    """Every param to fuse must hold its data: one released by a reduce-scatter buffer's
+    ``clear_param_storage`` has none (copying it into a fused buffer would give NaN)."""
+    for p in params:
+        if p.data is None:
+            raise LayoutError(f"{where or f'rank {rank}'}: param '{p.name}': has no data (released "
+                              f"by clear_param_storage() of the buffer that holds it); expected "
+                              f"its data: reset_param_storage() and sync_params() on that "
+                              f"buffer first")
+
+
+def device_template(params: Sequence[Param]) -> Any:
+    """An empty array on the params' device (numpy or cupy, same GPU): what every later
+    allocation of a buffer is made ``like``, so it never depends on arrays that come and go
+    (``param.data`` after ``clear_param_storage``, the grad buffer after ``clear_grad_storage``
+    or with ``release_grads``)."""
+    return backend.empty(0, params[0].data.dtype, params[0].data)
+
+
 def plan_or_raise(plan_fn, params, *args, rank: int) -> FlatLayout:
     try:
         return plan_fn(params, *args)
@@ -88,6 +107,7 @@ def flatten_dense_tensors(
         layout = plan_or_raise(plan_flat, parameters, rank=rank)
     if release_grad:
         return None, layout.numel, layout.param2offset
+    check_has_data(parameters, world_rank())
     like = parameters[0].data
     outputs = ()
     if fuse_param:
@@ -182,6 +202,7 @@ def build_reduce_scatter_buffer(
     if layout is None:
         check_trainable(parameters, rank)
         layout = plan_or_raise(plan_sharded, parameters, sharding_degree, rank=rank)
+    check_has_data(parameters, rank)
     slice_params = {} if slice_params is None else slice_params
     if init_slice_param:
         for p in parameters:

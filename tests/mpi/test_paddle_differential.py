@@ -636,8 +636,8 @@ def test_5_stop_gradient_params_are_refused(comm, act, flag):
 
 def test_6_naninf_error_is_a_value_error(comm, monkeypatch):
     """Paddle raises ValueError (after pre-scaling, with scale_after_comm=False); mpifusion's
-    NanInfError is one too, and is raised before anything changes (kept: errors change
-    nothing)."""
+    NanInfError is one too, and leaves everything as before the call (kept: errors change
+    nothing; the add_grad that found it is undone)."""
     n, rank = comm.Get_size(), comm.Get_rank()
 
     def paddle_side():
@@ -668,11 +668,12 @@ def test_6_naninf_error_is_a_value_error(comm, monkeypatch):
         if i == 0:
             g[0, 0] = np.nan  # on every rank: all raise, none waits in the collective
             kept = buf.grad_storage.copy()
-            kept[:g.size] += g.ravel()
             with pytest.raises(ValueError, match=f"rank {rank}: .*NaN/Inf.*w0") as err:
                 buf.add_grad(ps[i], grad=g)
             assert isinstance(err.value, NanInfError)
-            np.testing.assert_array_equal(buf.grad_storage, kept)  # not pre-scaled
+            # not pre-scaled, and the call is undone: the NaN grad not added, w0 not in
+            np.testing.assert_array_equal(buf.grad_storage, kept)
+            assert buf.missing_params() == ["w0"] and buf.task is None
         else:
             buf.add_grad(ps[i], grad=g)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -131,8 +132,10 @@ def test_add_grad_sequences_match_model_or_raise_clearly(case):
                 model.check_in(i)
         elif kind == "comm":
             if model.checked < len(shapes):
-                missing = [f"p{i}" for i, s in enumerate(model.steps) if s < model.acc_steps]
-                with pytest.raises(CheckInError, match="missing " + ", ".join(missing[:10])):
+                missing = [f"p{i}" + (f" ({s} of {model.acc_steps} micro-steps)" if s else "")
+                           for i, s in enumerate(model.steps) if s < model.acc_steps]
+                with pytest.raises(CheckInError,
+                                   match=re.escape("missing " + ", ".join(missing[:10]))):
                     buf.comm_grads()
             else:
                 with pytest.raises(StateError, match="already started"):
@@ -163,7 +166,8 @@ def test_mark_unused_zeroes_only_params_without_grads_and_starts_comm():
     buf.add_grad(params[0], grad=np.ones(4, np.float32))
     buf.add_grad(params[0], grad=np.ones(4, np.float32))
     buf.add_grad(params[1], grad=np.full(4, 3.0, np.float32))
-    with pytest.raises(CheckInError, match=r"1/3 params checked in: missing w1, w2 .*mark_unused"):
+    with pytest.raises(CheckInError, match=r"1/3 params checked in: missing w1 \(1 of 2 "
+                                          r"micro-steps\), w2 .*mark_unused"):
         buf.scale_grads()
     buf.mark_unused(params[1], params[2])
     assert buf.task is not None  # the last check-in started communication
@@ -173,7 +177,7 @@ def test_mark_unused_zeroes_only_params_without_grads_and_starts_comm():
     np.testing.assert_array_equal(params[2].grad, np.zeros(4))      # no gradient: zero
     with pytest.raises(GradError, match="not a param of this buffer"):
         buf.mark_unused(Param("w9", np.zeros(4, np.float32)))
-    with pytest.raises(GradError, match="'w0' already checked in"):
+    with pytest.raises(GradError, match="'w0' given twice"):
         buf.mark_unused(params[0], params[0])
     assert buf.checked_in == 0  # the failed call changed nothing
 
@@ -224,12 +228,13 @@ def test_naninf_error_names_rank_step_param_and_count(monkeypatch):
     g[1], g[3] = np.nan, -np.inf
     with pytest.raises(FusionError, match=r"rank 0: buffer 7: step 0: .*2 NaN/Inf.*bad \(2 of 4\)"):
         buf.add_grad(params[1], grad=g)
-    assert buf.task is None and buf.checked_in == 2  # nothing started; grads stay
+    # nothing started, and the call is undone: 'bad' is neither added nor checked in
+    assert buf.task is None and buf.checked_in == 1 and buf.missing_params() == ["bad"]
     np.testing.assert_array_equal(params[0].grad, 1.0)
-    params[1].grad[...] = 0  # the user repairs the grads, then starts again
-    buf.comm_grads()
-    buf.scale_grads()
     np.testing.assert_array_equal(params[1].grad, 0.0)
+    buf.add_grad(params[1], grad=np.full(4, 2.0, np.float32))  # the repaired grad goes on
+    buf.scale_grads()
+    np.testing.assert_array_equal(params[1].grad, 2.0)
 
 
 # --------------------------------------------------------------------------- spec files
