@@ -339,7 +339,7 @@ class Trial:
                 m.dst_global = members[m.dst_idx % n] if m.act == "reduce" else -1
                 m.root = members.index(m.dst_global) if m.act == "reduce" else None
                 m.pdt = DTYPES[m.pspecs[0][2]]
-                m.gdt = F32 if m.umg else m.pdt
+                m.gdt = F32 if m.umg and m.pdt != F64 else m.pdt  # main grads >= param
                 m.params = []
                 m.init_data = {}
                 m.init_grad = {}  # world rank -> {name: values}, only own rank kept here
@@ -351,9 +351,9 @@ class Trial:
                         g0 = gen_vals(shape, (self.seed, "init", WR, m.uid, i))
                         kw["main_grad" if m.umg else "grad"] = g0.astype(m.gdt)
                     elif m.init_main and i == 0:
-                        kw["main_grad"] = np.zeros(shape, F32)
+                        kw["main_grad"] = np.zeros(shape, m.gdt)
                     if m.umg_arg is None and m.init_main and i == 0 and "main_grad" not in kw:
-                        kw["main_grad"] = np.zeros(shape, F32)
+                        kw["main_grad"] = np.zeros(shape, m.gdt)
                     if m.umg_arg is None and not m.init_main and "main_grad" in kw:
                         # use_main_grad=None resolves from params[0].main_grad: keep it False
                         kw.pop("main_grad")
@@ -379,7 +379,7 @@ class Trial:
                 if self.f_init_grads:
                     g0 = gen_vals(shape, (self.seed, "finit", WR, i))
                     kw["main_grad" if self.f_umg else "grad"] = g0.astype(
-                        F32 if self.f_umg else DTYPES[dt])
+                        F32 if self.f_umg and dt != "float64" else DTYPES[dt])
                 params.append(Param(name, data.astype(DTYPES[dt]), is_distributed=dist,
                                     need_clip=clip, **kw))
             decay_names = {s[0] for s in self.f_specs if s[5]}
@@ -426,7 +426,7 @@ class Trial:
                 m.dst_global = dst_global
                 m.root = members.index(dst_global) if self.f_act == "reduce" else None
                 m.pdt = DTYPES[m.pspecs[0][2]]
-                m.gdt = F32 if m.umg else m.pdt
+                m.gdt = F32 if m.umg and m.pdt != F64 else m.pdt  # main grads >= param
                 m.params = list(b.params)
                 m.init_data = {p.name: init_data[p.name] for p in b.params}
                 m.had_init = {p.name: False for p in b.params}
@@ -598,7 +598,7 @@ class Trial:
         else:
             g = self.grad(m, WR, i, step, k)
             if m.umg:
-                gd = rrng.choice([F32, m.pdt])
+                gd = rrng.choice([m.gdt, m.pdt])  # fp32 main grads of half params
             else:
                 gd = m.pdt
             garr = g.astype(gd)

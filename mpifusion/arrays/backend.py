@@ -6,6 +6,7 @@ params give numpy buffers, GPU params give cupy buffers on the same device.
 from __future__ import annotations
 
 import ctypes
+import sys
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -59,15 +60,43 @@ def _is_cuda_producer(obj: Any) -> bool:
     return dev is not None and dev[0] in _GPU_DEVICES
 
 
-def asarray(obj: Any) -> Any:
+def lazy_bits(obj: Any) -> Optional[str]:
+    """Which of PyTorch's lazy bits ``obj`` has set ("negation", "conjugation"), else None.
+
+    A tensor with one (``x.conj().imag``, ``torch._neg_view(x)``, ``z.conj()``) holds other
+    values than its memory: DLPack exports the memory and drops the bit (numpy and cupy
+    read ``-x`` as ``x``), so such a tensor cannot be shared, only resolved into a copy.
+    """
+    torch = sys.modules.get("torch")  # a torch tensor implies torch was imported
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    bits = [what for what, is_set in (("negation", obj.is_neg), ("conjugation", obj.is_conj))
+            if is_set()]
+    return " and ".join(bits) or None
+
+
+def asarray(obj: Any, resolve_lazy: bool = True) -> Any:
     """An ndarray sharing memory with ``obj`` (numpy, cupy, or any DLPack producer).
 
     Nothing is copied: a framework tensor handed in (PyTorch, JAX, CuPy, ...) and the array
     returned are the same memory. bfloat16, which numpy and cupy cannot import through
     DLPack, is read from the DLPack capsule directly.
+
+    The exception: a PyTorch tensor with its negation or conjugation bit set (see
+    :func:`lazy_bits`), whose memory is not its value. With ``resolve_lazy`` (for a value
+    read once, such as a grad handed to ``add_grad``) it is resolved into a copy first;
+    without (an array that must stay shared, such as a ``Param``'s) it is a ``TypeError``.
     """
     if isinstance(obj, np.ndarray) or is_cupy(obj):
         return obj
+    lazy = lazy_bits(obj)
+    if lazy is not None:
+        if not resolve_lazy:
+            raise TypeError(f"a torch tensor with its {lazy} bit set was given: its memory is "
+                            f"not its value, so it cannot be shared (DLPack would drop the "
+                            f"bit); expected a tensor without it (.resolve_neg() / "
+                            f".resolve_conj() make one, a copy)")
+        obj = obj.resolve_conj().resolve_neg()
     if _is_cuda_producer(obj):
         if _cupy is None:
             raise TypeError("a GPU tensor was given but cupy is not installed "

@@ -13,12 +13,17 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..dtypes import as_dtype, dtype_name, itemsize
 from ..errors import FusionError
-from .layout import FlatLayout, group_indices_by_size, plan_flat, plan_sharded
+from .layout import FlatLayout, check_fusable, group_indices_by_size, plan_flat, plan_sharded
 
 
 def grad_dtype_name(param_dtype: Any, use_main_grad: bool) -> str:
-    """fp32 main grads for (half-precision) params, else grads in the params' dtype."""
-    return "float32" if use_main_grad else dtype_name(param_dtype)
+    """Grads in the params' dtype; main grads (``use_main_grad``) are fp32 for narrower
+    (half-precision) params and never narrower than the param: float64 params keep float64
+    grads (an oracle's reference must not be rounded to fp32)."""
+    name = dtype_name(param_dtype)
+    if use_main_grad and itemsize(name) < itemsize("float32"):
+        return "float32"
+    return name
 
 
 def grad_dtype_for(param_dtype: Any, use_main_grad: bool) -> Any:
@@ -64,7 +69,12 @@ class Split:
 def split_params(params: Sequence[Any], is_decay: Callable[[Any], bool]) -> List[Split]:
     """Paddle's order: (fp32, distributed, need_clip) from (True, True, True) to
     (False, False, False); within each, the decay params first, then the others. Empty
-    splits are left out; one non-fp32 dtype per model."""
+    splits are left out; one non-fp32 dtype per model, and only dtypes a buffer may hold
+    (checked for every param first, so nothing is built for a model that fails)."""
+    try:
+        check_fusable(params)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     out: List[Split] = []
     half: Optional[str] = None
     for fp32, dist, clip in itertools.product([True, False], repeat=3):

@@ -10,10 +10,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from ..dtypes import dtype_name, itemsize as _itemsize
+from ..dtypes import ITEMSIZES, dtype_name, itemsize as _itemsize
 
 #: Paddle's alignment for gpu/npu/xpu, in bytes of the parameter dtype.
 ALIGNMENT_BYTES = 256
+#: The dtypes a fused buffer may hold (Paddle fuses fp32/fp16/bf16; fp64 for an oracle's
+#: precise reference): the one rule, applied by every buffer plan and by ``fused_parameters``
+#: before anything is built. Grouping (``eager_assign_group_by_size``) takes any dtype.
+#: (the names of ``dtypes.ITEMSIZES``, widest first)
+FUSABLE_DTYPES = tuple(sorted(ITEMSIZES, key=lambda name: (-ITEMSIZES[name], name)))
+
 #: ``assign_group_by_size`` default limit (Paddle: 128 MiB).
 ASSIGN_GROUP_SIZE = 128 * 1024 * 1024
 #: ``fused_parameters`` / ``obtain_storage`` default limit (Paddle: 256 MiB).
@@ -236,9 +242,20 @@ def sharded_numel(numel: int, itemsize: int, nranks: int,
     return -(-numel // unit) * unit
 
 
+def check_fusable(params: Iterable[Any]) -> None:
+    """A ``ValueError`` naming the first param whose dtype no fused buffer may hold (an int,
+    bool or complex param would reach the collective and fail there, or be summed wrongly)."""
+    for obj in params:
+        meta = meta_of(obj)
+        if meta.dtype not in FUSABLE_DTYPES:
+            raise ValueError(f"param '{meta.name}': dtype {meta.dtype} cannot be fused; "
+                             f"expected one of {', '.join(FUSABLE_DTYPES)}")
+
+
 def _check_one_dtype(metas: list) -> str:
     if not metas:
         raise ValueError("params: expected at least one parameter, got none")
+    check_fusable(metas)
     dtype = metas[0].dtype
     for m in metas[1:]:
         if m.dtype != dtype:

@@ -19,7 +19,9 @@ from ..config import CommOptions
 from ..dtypes import itemsize
 from ..errors import LayoutError
 from ..plan.grouping import PlanError, filter_split, split_params
-from ..plan.layout import ASSIGN_GROUP_SIZE, FUSED_GROUP_SIZE, group_indices_by_size
+from ..plan.layout import (ASSIGN_GROUP_SIZE, FUSED_GROUP_SIZE, check_fusable,
+                           group_indices_by_size)
+from .options import check_comm_group, check_switch
 from .param import Param
 
 logger = logging.getLogger("mpifusion")
@@ -52,6 +54,12 @@ def filter_params(params: Sequence[Param], is_fp32: bool, is_distributed: bool,
         return filter_split(params, is_fp32, is_distributed, need_clip)
     except PlanError as exc:
         raise LayoutError(f"rank {world_rank()}: {exc}") from None
+
+
+def _check_switches(where: str, **switches: Any) -> None:
+    """On/off arguments are bools (``check_switch``), checked before anything is built."""
+    for name, value in switches.items():
+        check_switch(value, f"{where}: {name}", allow_none=name == "use_main_grad")
 
 
 def _hook(buffer: FusedCommBuffer, param: Param) -> Callable[[Any], None]:
@@ -97,8 +105,16 @@ def obtain_storage(
 ):
     """Build one buffer per size group. Returns ``(fused_params, buffers)``: the fused params
     when ``fuse_param``, the buffers (with backward hooks registered) when ``comm_overlap``."""
+    where = f"rank {world_rank()}"
+    _check_switches(where, clip=clip, dist=dist, fuse_param=fuse_param,
+                    comm_overlap=comm_overlap)
+    check_comm_group(comm_group, where)
     if len(parameters) < 1:
         return [], []
+    try:  # every group's dtype before the first buffer is built
+        check_fusable(parameters)
+    except ValueError as exc:
+        raise LayoutError(f"{where}: {exc}") from None
     storage, buffers = [], []
     for group_idx, params in assign_group_by_size(parameters, group_size=group_size).items():
         buffer = FusedCommBuffer(group_idx, params, comm_group=comm_group, acc_steps=acc_steps,
@@ -164,6 +180,11 @@ def fused_parameters(
     Returns ``(decay_fused, all_fused, all_buffers)``; with ``group_params`` the input is a
     list of ``{"params": [...], ...}`` groups and ``(updated_groups, buffers)`` is returned.
     """
+    where = f"rank {world_rank()}"
+    _check_switches(where, use_main_grad=use_main_grad, fuse_param=fuse_param,
+                    comm_overlap=comm_overlap, scale_after_comm=scale_after_comm,
+                    group_params=group_params, use_reduce_avg=use_reduce_avg)
+    check_comm_group(comm_group, where)
     act = HookAction.REDUCE if act is None else HookAction.parse(act)
     if comm_overlap and comm_group is None:
         if act != HookAction.ALL_REDUCE:

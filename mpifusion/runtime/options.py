@@ -6,13 +6,53 @@ same object names the options every rank must agree on.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 from mpi4py import MPI
 
-from ..errors import LayoutError
+from ..errors import LayoutError, OptionError
 from ..plan.actions import HookAction
+
+#: FusedCommBuffer's on/off options; ``use_main_grad`` may also be None (its default)
+SWITCHES = ("use_main_grad", "fuse_param", "scale_after_comm", "release_grads",
+            "use_reduce_avg", "free_grads_in_comm", "init_slice_param")
+
+
+def check_switch(value: Any, what: str, allow_none: bool = False) -> Optional[bool]:
+    """An on/off option as a bool: True/False (or a numpy bool), else an ``OptionError``
+    naming it. Truthiness would turn ``"False"``, ``"0"`` or ``[]`` into a setting the caller
+    did not mean, so nothing else is taken (None only where the default is None)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise OptionError(f"{what}: expected True or False{' or None' if allow_none else ''}, "
+                      f"got {value!r}")
+
+
+def as_int(value: Any) -> Optional[int]:
+    """``value`` as an int when it is an integer (Python or numpy, not a bool), else None."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def check_comm_group(comm_group: Any, where: str) -> None:
+    """An ``OptionError`` unless ``comm_group`` is None or a usable mpi4py communicator:
+    ``MPI.COMM_NULL`` (what a freed communicator, or a split this rank is not in, becomes)
+    would fail inside MPI with no word of the rank or buffer."""
+    if comm_group is None:
+        return
+    if not isinstance(comm_group, MPI.Comm):
+        raise OptionError(f"{where}: comm_group: expected an mpi4py communicator or None, "
+                          f"got {type(comm_group).__name__}")
+    if comm_group == MPI.COMM_NULL:
+        raise OptionError(f"{where}: comm_group: expected a valid communicator, got "
+                          f"MPI.COMM_NULL (a freed communicator, or a split this rank is "
+                          f"not a member of)")
 
 
 def dst_group_rank(dst: int, comm_group: Optional[MPI.Comm], where: str) -> int:
@@ -57,7 +97,12 @@ class BufferOptions:
 
     def checked(self, where: str, nranks: int, has_comm: bool) -> "BufferOptions":
         """These options with ``act`` parsed, or a ``LayoutError`` naming the first bad one
-        (``where`` is "rank R: buffer I"; ``nranks`` the size of comm_group)."""
+        (``where`` is "rank R: buffer I"; ``nranks`` the size of comm_group); an on/off
+        option that is not a bool is an ``OptionError``."""
+        flags = {}
+        for name in SWITCHES:
+            flags[name] = check_switch(getattr(self, name), f"{where}: {name}",
+                                       allow_none=name == "use_main_grad")
         acc = self.acc_steps
         try:
             ok = not isinstance(acc, bool) and int(acc) == acc and acc >= 1
@@ -70,35 +115,30 @@ class BufferOptions:
             act = HookAction.parse(self.act)
         except LayoutError as exc:
             raise LayoutError(f"{where}: {exc}") from None
-        if self.free_grads_in_comm:
+        if flags["free_grads_in_comm"]:
             if acc != 1:
                 raise LayoutError(f"{where}: free_grads_in_comm: expected acc_steps == 1, "
                                   f"got acc_steps={acc}")
             if act != HookAction.REDUCE_SCATTER:
                 raise LayoutError(f"{where}: free_grads_in_comm: expected act=REDUCE_SCATTER, "
                                   f"got {act.name}")
-            if not self.release_grads:
+            if not flags["release_grads"]:
                 raise LayoutError(f"{where}: free_grads_in_comm: expected release_grads=True")
-        if self.fuse_param and self.release_grads:
+        if flags["fuse_param"] and flags["release_grads"]:
             raise LayoutError(f"{where}: fuse_param and release_grads: expected at most one "
                               f"of them to be True")
-        if self.fuse_param and act == HookAction.REDUCE_SCATTER:
+        if flags["fuse_param"] and act == HookAction.REDUCE_SCATTER:
             raise LayoutError(f"{where}: fuse_param: not supported with REDUCE_SCATTER "
                               f"(its params are always fused)")
-        dst = self.dst
+        dst = as_int(self.dst)  # numpy integers too (a rank read from an array)
         if act == HookAction.REDUCE:
             # a global rank, as in Paddle; dst_group_rank checks it is in comm_group
-            if isinstance(dst, bool) or not isinstance(dst, int) or dst < 0:
+            if dst is None or dst < 0:
                 raise LayoutError(f"{where}: dst: REDUCE expected the root's global rank "
-                                  f"(an int >= 0), got {dst!r}")
+                                  f"(an int >= 0), got {self.dst!r}")
         elif dst != -1:
-            raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {dst!r}")
+            raise LayoutError(f"{where}: dst: expected -1 for {act.name}, got {self.dst!r}")
         if act == HookAction.REDUCE_SCATTER and not has_comm:
             raise LayoutError(f"{where}: comm_group: REDUCE_SCATTER needs a communicator "
                               f"to plan its shards, got None")
-        return BufferOptions(
-            act=act, acc_steps=acc, dst=dst, use_main_grad=self.use_main_grad,
-            fuse_param=bool(self.fuse_param), scale_after_comm=bool(self.scale_after_comm),
-            release_grads=bool(self.release_grads), use_reduce_avg=bool(self.use_reduce_avg),
-            free_grads_in_comm=bool(self.free_grads_in_comm),
-            init_slice_param=bool(self.init_slice_param))
+        return BufferOptions(act=act, acc_steps=acc, dst=dst, **flags)

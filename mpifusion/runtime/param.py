@@ -13,7 +13,9 @@ class Param:
 
     ``data``, ``grad`` and ``main_grad`` are arrays (numpy or cupy); once a param is fused they
     are views into the fused buffers, so a framework that writes into them (in place) writes
-    into the buffer. ``array`` may be any DLPack producer; it is not copied.
+    into the buffer. ``array`` may be any DLPack producer; it is not copied (so a torch tensor
+    with its negation or conjugation bit set, whose memory is not its value, is a TypeError;
+    ``.resolve_neg()`` / ``.resolve_conj()`` make a copy that can be shared).
     """
 
     def __init__(
@@ -98,8 +100,8 @@ def _import(name: str, field: str, value: Any, like: Any = None) -> Any:
     """``value`` as a numpy/cupy array sharing its memory, checked against the param's data."""
     if value is None:
         return None
-    try:
-        arr = backend.asarray(value)
+    try:  # shared, never copied: a torch tensor whose memory is not its value is refused
+        arr = backend.asarray(value, resolve_lazy=False)
     except (TypeError, BufferError, RuntimeError, ValueError) as exc:
         raise TypeError(f"Param '{name}': {field}: {exc}") from None
     if like is not None:

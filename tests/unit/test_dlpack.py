@@ -171,3 +171,74 @@ def test_not_a_tensor_names_the_param():
     with pytest.raises(TypeError, match=r"Param 'w': array: expected a numpy/cupy array or a "
                                         r"DLPack tensor, got object"):
         Param("w", object())
+
+
+# --------------------------------------------------------------------------- lazy bits
+# A torch tensor with its negation (or conjugation) bit set holds other values than its
+# memory; DLPack exports the memory and drops the bit, so np.from_dlpack reads -x as x.
+def _negated_views(dt):
+    """(what, tensor whose *value* is -1 everywhere while its memory holds +1)."""
+    if dt == torch.float32:  # (torch has no bf16 complex)
+        yield "conj().imag", torch.complex(torch.zeros(4), torch.ones(4)).conj().imag
+    yield "_neg_view", torch._neg_view(torch.ones(4, dtype=dt))
+
+
+@pytest.mark.parametrize("tdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("release_grads", [False, True])
+def test_add_grad_resolves_the_torch_negation_bit(tdtype, release_grads):
+    dt = getattr(torch, tdtype)
+    for what, g in _negated_views(dt):
+        assert g.is_neg() and torch.equal(g.float(), torch.full((4,), -1.0)), what
+        p = Param("w", torch.zeros(4, dtype=dt))
+        buf = FusedCommBuffer(0, [p], MPI.COMM_SELF, act="all_reduce", acc_steps=2,
+                              release_grads=release_grads)
+        buf.add_grad(p, grad=g)
+        buf.add_grad(p, grad=torch.full((4,), 3.0, dtype=dt))
+        buf.scale_grads()
+        np.testing.assert_array_equal(p.grad.astype(np.float64), np.full(4, 2.0),
+                                      err_msg=f"{what}: the sign of the negated grad was lost")
+        assert g.is_neg(), "the caller's tensor is left as it was"
+
+
+def test_add_grad_resolves_the_negation_bit_into_a_main_grad():
+    p = Param("w", torch.zeros(4, dtype=torch.bfloat16))
+    buf = FusedCommBuffer(0, [p], MPI.COMM_SELF, act="all_reduce", use_main_grad=True)
+    buf.add_grad(p, grad=torch._neg_view(torch.full((4,), 0.5)))
+    buf.scale_grads()
+    np.testing.assert_array_equal(p.main_grad, np.full(4, -0.5, np.float32))
+
+
+def test_asarray_resolves_or_refuses_lazy_bits():
+    neg = torch._neg_view(torch.arange(4.0))
+    np.testing.assert_array_equal(backend.asarray(neg), -np.arange(4.0, dtype=np.float32))
+    z = torch.complex(torch.arange(3.0), torch.ones(3)).conj()
+    assert z.is_conj()
+    np.testing.assert_array_equal(backend.asarray(z), np.arange(3.0) - 1j)
+    assert backend.lazy_bits(torch.ones(2)) is None and backend.lazy_bits(np.ones(2)) is None
+    with pytest.raises(TypeError, match="negation bit set"):
+        backend.asarray(neg, resolve_lazy=False)
+    with pytest.raises(TypeError, match="conjugation bit set"):
+        backend.asarray(z, resolve_lazy=False)
+    plain = torch.ones(3)
+    assert _shares(backend.asarray(plain, resolve_lazy=False), plain)  # still zero-copy
+
+
+@pytest.mark.parametrize("field", ["array", "grad", "main_grad"])
+@pytest.mark.parametrize("tdtype", ["float32", "bfloat16"])
+def test_param_refuses_a_torch_tensor_with_the_negation_bit(field, tdtype):
+    dt = getattr(torch, tdtype)
+    neg = torch._neg_view(torch.ones(4, dtype=dt))
+    kwargs = {"array": torch.zeros(4, dtype=dt)}
+    kwargs[field] = neg
+    array = kwargs.pop("array")
+    with pytest.raises(TypeError, match=rf"Param 'w': {field}: a torch tensor with its "
+                                        rf"negation bit set.*\.resolve_neg\(\)"):
+        Param("w", array, **kwargs)
+
+
+def test_torch_capture_reads_negated_views_with_their_sign():
+    from mpifusion.capture.torch import to_numpy
+
+    for dt in (torch.float32, torch.bfloat16):
+        out = to_numpy(torch._neg_view(torch.ones(3, dtype=dt)))
+        np.testing.assert_array_equal(out.astype(np.float64), np.full(3, -1.0))
