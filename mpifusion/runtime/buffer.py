@@ -47,7 +47,7 @@ from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
 from .checkin import CheckIn
-from .options import BufferOptions, dst_group_rank
+from .options import BufferOptions, check_buffer_id, check_comm_group, dst_group_rank
 from .param import Param
 from .sharded import ShardedParams
 from .storage import (build_reduce_scatter_buffer, check_has_data, check_trainable,
@@ -101,7 +101,8 @@ class FusedCommBuffer(ShardedParams):
         check_naninf: Optional[bool] = None,
         order: Optional[str] = None,
     ) -> None:
-        self._id = id
+        check_comm_group(comm_group, f"rank {world_rank()}: buffer {id!r}")
+        self._id = check_buffer_id(id, f"rank {world_rank()}: buffer {id!r}")
         self._params = list(params)
         try:  # bad options name this rank and buffer, like every other construction error
             if comm_options is None:

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import LayoutError, OptionError
+from ..limits import MAX_INT
 from ..plan.actions import HookAction
 
 #: FusedCommBuffer's on/off options; ``use_main_grad`` may also be None (its default)
@@ -38,6 +39,15 @@ def as_int(value: Any) -> Optional[int]:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
+
+
+def check_buffer_id(id: Any, where: str) -> int:
+    """A buffer id is an int (Paddle's): it goes into messages and the order check's
+    fingerprint, where a string would hash differently on every rank (salted)."""
+    if (not isinstance(id, (int, np.integer)) or isinstance(id, (bool, np.bool_))
+            or not -MAX_INT <= id <= MAX_INT):
+        raise OptionError(f"{where}: id: expected an int, got {id!r}")
+    return int(id)
 
 
 def check_comm_group(comm_group: Any, where: str) -> None:
@@ -104,10 +114,9 @@ class BufferOptions:
             flags[name] = check_switch(getattr(self, name), f"{where}: {name}",
                                        allow_none=name == "use_main_grad")
         acc = self.acc_steps
-        try:
-            ok = not isinstance(acc, bool) and int(acc) == acc and acc >= 1
-        except (TypeError, ValueError, OverflowError):
-            ok = False
+        # an int, as Paddle's: 2.0 or 1e300 would be counted against by float comparison
+        ok = (isinstance(acc, (int, np.integer)) and not isinstance(acc, (bool, np.bool_))
+              and 1 <= acc <= MAX_INT)
         if not ok:
             raise LayoutError(f"{where}: acc_steps: expected an int >= 1, got {acc!r}")
         acc = int(acc)

@@ -231,3 +231,38 @@ def test_comm_null_is_an_option_error():
         check_comm_group("world", "here")
     check_comm_group(None, "here")
     check_comm_group(MPI.COMM_SELF, "here")
+
+
+def test_fused_comm_buffer_refuses_comm_null_naming_rank_and_buffer():
+    from mpi4py import MPI
+
+    from mpifusion import FusedCommBuffer, Param
+    from mpifusion.errors import OptionError
+
+    p = Param("w", np.zeros(4, np.float32))
+    with pytest.raises(OptionError, match=r"rank \d+: buffer 7: comm_group: expected a valid "
+                                          r"communicator, got MPI.COMM_NULL"):
+        FusedCommBuffer(7, [p], MPI.COMM_NULL, act="all_reduce")
+    freed = MPI.COMM_SELF.Dup()
+    freed.Free()
+    with pytest.raises(OptionError, match="MPI.COMM_NULL"):
+        FusedCommBuffer(8, [p], freed, act="all_reduce")
+
+
+@pytest.mark.parametrize("kw, what", [({"acc_steps": 2.0}, "acc_steps: expected an int >= 1"),
+                                      ({"acc_steps": 1e300}, "acc_steps: expected an int >= 1"),
+                                      ({"acc_steps": 10 ** 30}, "acc_steps: expected an int >= 1"),
+                                      ({"acc_steps": True}, "acc_steps: expected an int >= 1"),
+                                      ({"id": "x"}, "id: expected an int, got 'x'"),
+                                      ({"id": 1.5}, "id: expected an int, got 1.5")])
+def test_acc_steps_and_id_are_ints(kw, what):
+    """A float acc_steps was compared as a float (1e300 accepted); a string id hashes
+    differently on every rank, so the order check would fail every collective."""
+    p = Param("w", np.zeros(4, np.float32))
+    args = dict(id=0, params=[p], comm_group=MPI.COMM_SELF, act="all_reduce")
+    args.update(kw)
+    with pytest.raises((OptionError, LayoutError), match=re.escape(what)):
+        FusedCommBuffer(**args)
+    ok = FusedCommBuffer(np.int64(3), [Param("v", np.zeros(4, np.float32))], MPI.COMM_SELF,
+                         acc_steps=np.int32(2), act="all_reduce")
+    assert ok.id == 3 and ok.acc_steps == 2 and type(ok.id) is int
