@@ -145,6 +145,26 @@ def loads_json(text: str, **hooks: Callable) -> Any:
         raise InputLimitError("not valid JSON here: nested too deeply") from None
 
 
+def loads_strict_json(text: str, error: Callable[[str], Exception]) -> Any:
+    """:func:`loads_json` refusing what ``json.loads`` lets through silently: a key twice in
+    one object (the last would win) and NaN/Infinity (not JSON). ``error`` builds the
+    one-line exception (the caller's own: ``SpecError``, ``LayoutDocError``)."""
+
+    def pairs(items: list) -> dict:
+        out: dict = {}
+        for key, value in items:
+            if key in out:
+                raise error(f"duplicate key {json.dumps(key, ensure_ascii=False)} in a JSON "
+                            f"object")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> Any:
+        raise error(f"not valid JSON: {name} is not allowed")
+
+    return loads_json(text, object_pairs_hook=pairs, parse_constant=constant)
+
+
 def _meminfo_available() -> Optional[int]:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:

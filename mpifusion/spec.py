@@ -20,7 +20,7 @@ from typing import Any
 
 from .dtypes import ALIAS_NAMES, ITEMSIZES
 from .errors import FusionError
-from .limits import MAX_INT, InputLimitError, loads_json, read_text, shape_too_large
+from .limits import MAX_INT, InputLimitError, loads_strict_json, read_text, shape_too_large
 from .plan.actions import ACT_NAMES
 from .plan.layout import FUSED_GROUP_SIZE
 
@@ -270,17 +270,6 @@ class Spec:
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise SpecError(f"duplicate key {_show(key)} in a JSON object")
-        out[key] = value
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise SpecError(f"not valid JSON: {name} is not allowed")
 
 
 def load_spec(path: str | os.PathLike[str]) -> Spec:
@@ -293,7 +282,7 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     except InputLimitError as e:
         raise SpecError(str(e), source=source) from None
     try:  # bounded in nesting depth and integer digits
-        data = loads_json(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
+        data = loads_strict_json(text, SpecError)
     except SpecError as e:
         raise e.within(source=source) from None
     except InputLimitError as e:

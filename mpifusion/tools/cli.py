@@ -291,9 +291,9 @@ def _input_errors() -> tuple:
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from .render import (LayoutDocError, check_layout_doc, compare_layouts, layout_json,
-                         layout_table, reject_constant, reject_duplicate_keys)
+                         layout_table)
 
-    from ..limits import InputLimitError, layout_problem, loads_json, read_text
+    from ..limits import InputLimitError, layout_problem, loads_strict_json, read_text
 
     spec = spec_from_args(args)
     if spec.act == "reduce_scatter" and spec.nranks is not None:
@@ -304,8 +304,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     doc = layout_json(spec, buffers)
     if args.layout is not None:
         try:  # a regular file, bounded in size, depth and integer digits
-            theirs = loads_json(read_text(args.layout), object_pairs_hook=reject_duplicate_keys,
-                                parse_constant=reject_constant)
+            theirs = loads_strict_json(read_text(args.layout), LayoutDocError)
             check_layout_doc(theirs)  # the schema's fields of the schema's types (one line)
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{args.layout}: cannot read: {getattr(exc, 'strerror', None) or exc}")

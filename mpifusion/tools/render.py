@@ -282,17 +282,3 @@ def check_layout_doc(doc: Any) -> None:
                         _want_int(bound, f"{at}.slices[{r}][{k}]")
 
 
-def reject_duplicate_keys(pairs: list) -> dict:
-    """``object_pairs_hook`` for THEIRS: a key twice in one object (the last silently wins
-    in ``json.loads``) is bad input."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise LayoutDocError(f"duplicate key {_show(key)} in a JSON object")
-        out[key] = value
-    return out
-
-
-def reject_constant(name: str) -> Any:
-    """``parse_constant`` for THEIRS: NaN and Infinity are not JSON."""
-    raise LayoutDocError(f"not valid JSON: {name} is not allowed")
