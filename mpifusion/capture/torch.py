@@ -112,6 +112,14 @@ class TorchCapture(Recorder):
         ref = self._hooked.get(id(t))
         if ref is not None and ref() is t:
             return
+        if getattr(t, "_backward_hooks", None):
+            # they run before the capture's: one that reduces (a hand-written or Horovod-style
+            # data-parallel hook) makes every rank record the reduced grad, and any reduction
+            # then passes the check (red-team finding)
+            raise CaptureError(f"rank {self.rank}: {name}: the param already has gradient "
+                               f"hooks, which would run before the capture's and change what "
+                               f"it records as the local grad; create the capture before "
+                               f"registering them (DDP and FSDP are fine either way)")
         self._hooked[id(t)] = weakref.ref(t)
         self._handles.append(t.register_hook(lambda g, n=name: self._on_grad(n, g)))
 

@@ -627,10 +627,13 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     if p.numel and not np.any(absolute):
         report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
                             f"reduction passes too")
-    elif nranks > 1 and spec.average and p.numel and len(set(digests)) == 1:
-        report.notes.append(f"{p.name}: every rank fed the same inputs, so the mean equals "
-                            f"each rank's own gradient: a result that skipped the reduction "
-                            f"passes too")
+    elif nranks > 1 and p.numel and len(set(digests)) == 1:
+        report.notes.append(
+            f"{p.name}: every rank fed the same inputs"
+            + (", so the mean equals each rank's own gradient: a result that skipped the "
+               "reduction passes too" if spec.average else "")
+            + "; inputs recorded after a reduction (a hook ahead of the capture's) look the "
+              "same, and then any reduction passes")
     if spec.average:
         ref /= nranks
     bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,

@@ -109,3 +109,36 @@ def test_importing_mpifusion_imports_no_framework(tmp_path):
     out = run_job(1, [sys.executable, "-c", code], timeout=60, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_torch_capture_refuses_params_with_earlier_grad_hooks():
+    """A hook registered before the capture runs before it: one that all-reduces (a
+    hand-written or Horovod-style data-parallel hook) makes every rank record the reduced
+    grad as its input, and then any reduction passes (red-team finding)."""
+    torch = pytest.importorskip("torch")
+    from mpifusion.capture import TorchCapture
+
+    model = torch.nn.Linear(3, 2)
+    model.weight.register_hook(lambda g: g * 2)
+    with pytest.raises(CaptureError, match=r"weight: the param already has gradient hooks"):
+        TorchCapture(model)
+    fresh = torch.nn.Linear(3, 2)
+    cap = TorchCapture(fresh)  # hooks registered after the capture are fine
+    fresh.weight.register_hook(lambda g: g * 2)
+    cap.remove()
+
+
+def test_main_grad_outputs_make_a_main_grad_spec():
+    """``attr="main_grad"`` records fp32 main grads: the spec says so, else a half-precision
+    spec would give the check the looser half bound (a 0.2% error passed)."""
+    torch = pytest.importorskip("torch")
+    from mpifusion.capture import TorchCapture
+
+    model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    cap = TorchCapture(model, attr="main_grad")
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    for p in model.parameters():
+        p.main_grad = p.grad.float()
+    cap.record_outputs()
+    assert cap.spec("all_reduce")["use_main_grad"] is True
+    assert cap.spec("all_reduce", use_main_grad=False)["use_main_grad"] is False
