@@ -112,14 +112,20 @@ def tune_path() -> str:
     return tune_file_from_env()
 
 
+#: what a tune file may hold: a few machines' entries, and segment sizes ``tune`` can write
+TUNE_MAX_BYTES = 1 << 20
+TUNE_MIN_SEGMENT, TUNE_MAX_SEGMENT = 4096, 1 << 40
+
+
 def read_tune(path: Optional[str] = None) -> Dict[str, Any]:
     """The tune file's content (``{'version': 1, 'machines': {key: entry}}``); empty when it
     is missing or unreadable (a broken file must not stop training: it only sets a default)."""
+    from .limits import loads_json, read_text
+
     path = tune_path() if path is None else path
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+    try:  # a regular file of bounded size and depth: /dev/zero or a FIFO would hang a job
+        data = loads_json(read_text(path, max_bytes=TUNE_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict) or data.get("version") != TUNE_VERSION \
             or not isinstance(data.get("machines"), dict):
@@ -133,8 +139,9 @@ def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
     if not isinstance(entry, dict):
         return None
     value = entry.get("segment_bytes")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not TUNE_MIN_SEGMENT <= value <= TUNE_MAX_SEGMENT):
+        return None  # 1 byte made a step 90x slower, 10**30 crashed: not what tune writes
     return value
 
 

@@ -80,7 +80,15 @@ def test_other_machines_entries_are_kept(private_tune_file):
                                      json.dumps({"version": 1, "machines": {"KEY": {
                                          "segment_bytes": -1}}}),
                                      json.dumps({"version": 1, "machines": {"KEY": {
-                                         "segment_bytes": True}}})])
+                                         "segment_bytes": True}}}),
+                                     # found by a red-team review: 1 byte made a step 90x
+                                     # slower, 10**30 and deep nesting crashed every job
+                                     json.dumps({"version": 1, "machines": {"KEY": {
+                                         "segment_bytes": 1}}}),
+                                     json.dumps({"version": 1, "machines": {"KEY": {
+                                         "segment_bytes": 10 ** 30}}}),
+                                     "[" * 100000 + "]" * 100000,
+                                     " " * (2 << 20) + "{}"])
 def test_broken_tune_file_falls_back_to_the_rule(private_tune_file, content):
     """A tune file only sets a default: a broken one must not stop training."""
     private_tune_file.write_text(content.replace("KEY", machine.machine_key()))
@@ -92,3 +100,12 @@ def test_cli_tune_at_one_rank_says_how_to_run_it(capsys):
 
     assert cli.main(["tune", "--dry-run"]) == 2
     assert "mpiexec -n 2" in capsys.readouterr().err
+
+
+def test_a_tune_file_that_is_no_regular_file_is_not_read(private_tune_file, monkeypatch):
+    """/dev/zero or a FIFO as MPIFUSION_TUNE_FILE hung every job (json.load read forever)."""
+    import os
+    fifo = private_tune_file.parent / "fifo.json"
+    os.mkfifo(fifo)
+    assert machine.read_tune(str(fifo)) == {}
+    assert machine.read_tune("/dev/zero") == {}
