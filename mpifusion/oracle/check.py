@@ -526,15 +526,15 @@ def _check_aliasing(labels: list, files: list) -> None:
                                 f"taken before the sync")
 
 
-def _byte_range(a: np.ndarray) -> tuple:
-    lo, hi = _byte_bounds(a)
-    return lo, max(hi, lo)
-
-
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds  # numpy >= 2
 except ImportError:  # pragma: no cover - numpy 1.x
     _byte_bounds = np.byte_bounds
+
+
+def _byte_range(a: np.ndarray) -> tuple:
+    lo, hi = _byte_bounds(a)
+    return lo, max(hi, lo)
 
 
 def _overlapping(xs: list, ys: list) -> Iterable:

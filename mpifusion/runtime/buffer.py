@@ -432,8 +432,9 @@ class FusedCommBuffer(ShardedParams):
                         f"an open buffer (nothing was changed)")
 
     def _check_startable(self, what: str) -> bool:
-        """What ``_comm_grads`` refuses, checked before a call changes anything; False when
-        there is nothing to communicate (every param has stop_gradient)."""
+        """Whether this buffer can start its communication now (the one rule, used by
+        ``_comm_grads`` and, before they change anything, by the check-in that would start
+        it); False when there is nothing to communicate (every param has stop_gradient)."""
         if not self.need_reduce_scale_sync():
             return False
         if self._task is not None:
@@ -441,8 +442,8 @@ class FusedCommBuffer(ShardedParams):
                             f"step; expected scale_grads() first")
         if self._comm is None:
             raise StateError(f"{self._where()}: {what}: this call would start communication, "
-                            f"but the buffer was built without a comm_group; expected "
-                            f"use_comm=False (nothing was changed)")
+                            f"but the buffer was built without a comm_group, so it cannot "
+                            f"communicate; expected use_comm=False (nothing was changed)")
         self._comm.check_usable(f"buffer {self._id} {what}")  # closed or abandoned
         return True
 
@@ -635,15 +636,8 @@ class FusedCommBuffer(ShardedParams):
         self._comm_grads()
 
     def _comm_grads(self) -> None:
-        if not self.need_reduce_scale_sync():
+        if not self._check_startable("comm_grads"):
             return
-        if self._task is not None:
-            raise StateError(f"{self._where()}: comm_grads: communication already started this "
-                            f"step; expected scale_grads() first")
-        if self._comm is None:
-            raise StateError(f"{self._where()}: comm_grads: the buffer was built without a "
-                            f"comm_group, so it cannot communicate")
-        self._comm.check_usable(f"buffer {self._id} comm_grads")  # closed or abandoned
         if self._naninf_check:
             self._check_naninf()
         n = self._comm.size
