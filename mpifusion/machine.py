@@ -145,27 +145,54 @@ def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
     return value
 
 
+def _lock(path: str) -> Any:
+    """An exclusive ``flock`` on ``PATH.lock`` (created next to the tune file, never removed:
+    removing it would let two writers lock two different files), held until the returned
+    file is closed. None where there is no ``fcntl`` (the write is then only atomic)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    lock = os.fdopen(fd, "r+b")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
 def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
     """Record ``entry`` (with ``segment_bytes``) for this machine type; other machines'
-    entries are kept. Written to a temporary file then renamed, so readers never see half a
-    file. Returns the path."""
+    entries are kept. Writers of one file take turns (an exclusive lock on ``PATH.lock``,
+    under which the file is read again), so concurrent ``tune`` runs of several machine types
+    keep each other's entries; the file is written to a temporary file then renamed, so
+    readers (who take no lock) never see half a file. Returns the path."""
     path = tune_path() if path is None else path
-    data = read_tune(path) or {"version": TUNE_VERSION, "machines": {}}
-    data["machines"][machine_key()] = entry
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, "is a directory", path)
+    lock = _lock(path)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
+        data = read_tune(path) or {"version": TUNE_VERSION, "machines": {}}
+        data["machines"][machine_key()] = entry
+        fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
     return path
 
 

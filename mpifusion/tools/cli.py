@@ -216,11 +216,32 @@ def _strategies() -> tuple:
     return STRATEGIES
 
 
-def spec_from_args(args: argparse.Namespace, *, run: bool = False) -> Any:
-    """The spec named by --preset/--spec with the command-line overrides applied."""
+def _check_dst(dst: Optional[int], world: Optional[int], nranks: Optional[int]) -> None:
+    """--dst is a rank: of the job (``world``, for run), else below --nranks when given.
+    (-1, a spec's "no root", is no rank: before this check ``--act reduce --dst -1`` quietly
+    meant rank 0, and run's ``--dst 5`` on 2 ranks was blamed on the spec.)"""
+    if dst is None:
+        return
+    if world is not None:
+        if not 0 <= dst < world:
+            raise UsageError(f"--dst: expected a rank of this job, in [0, {world}) "
+                             f"({world} rank(s)), got {dst}")
+    elif nranks is not None:
+        if not 0 <= dst < nranks:
+            raise UsageError(f"--dst: expected a rank in [0, {nranks}) (--nranks {nranks}), "
+                             f"got {dst}")
+    elif dst < 0:
+        raise UsageError(f"--dst: expected a rank >= 0, got {dst}")
+
+
+def spec_from_args(args: argparse.Namespace, *, run: bool = False,
+                   world: Optional[int] = None) -> Any:
+    """The spec named by --preset/--spec with the command-line overrides applied; ``world``:
+    the job's number of ranks (run), which --dst must be below."""
     from ..dtypes import is_half
     from ..spec import Spec, load_spec, normalize_dtype
 
+    _check_dst(args.dst, world, getattr(args, "nranks", None))
     overrides: dict = {}
     if args.act is not None:
         overrides["act"] = args.act
@@ -330,7 +351,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     spec, error, comm_options = None, None, None
     try:
-        spec = spec_from_args(args, run=True)
+        spec = spec_from_args(args, run=True, world=comm.Get_size())
         comm_options = CommOptions.from_env(strategy=getattr(args, "strategy", None))
     except _input_errors() as exc:
         error = str(exc)

@@ -2,7 +2,8 @@
 
 Under ``mpiexec -n N`` (N >= 2, ideally the ranks per node of real jobs), every rank
 all-reduces and averages one buffer through mpifusion's own ``thread`` path at each segment
-size in turn, in rounds (one run of each size per round, so drifting load hits all alike).
+size up to the buffer's (a larger one is the whole buffer again) in turn, in rounds (one run
+of each size per round, so drifting load hits all alike).
 Rank 0 prints the table, marks the fastest and the size the L2 rule would pick, and records the
 fastest for this machine type in the tune file (``~/.cache/mpifusion/tune.json``, or
 ``$MPIFUSION_TUNE_FILE``) that the library then takes as its default segment size.
@@ -17,15 +18,65 @@ from typing import Any, Dict, List, Optional, Sequence
 
 MiB = 1 << 20
 DEFAULT_SEGMENTS = "0.25,0.5,1,2,4,8,16,32"
+#: --mb and --segments are at most 1 TiB (the largest segment size a tune file may record)
+MAX_MIB = 1 << 20
+#: dtypes the tuner can all-reduce and average (those of fused buffers)
+DTYPES = "float32, bfloat16, float16 or float64 (or fp32, bf16, fp16, fp64)"
+
+
+def _mib(text: Any) -> float:
+    """A size in MiB: a finite number > 0 and at most 1 TiB (ValueError otherwise)."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value <= MAX_MIB:  # also NaN and inf
+        raise ValueError(f"expected a size in MiB > 0 and at most {MAX_MIB} (1 TiB), "
+                         f"got {str(text)!r}")
+    return value
+
+
+def _dtype(text: Any) -> str:
+    from ..dtypes import ALIAS_NAMES
+
+    name = ALIAS_NAMES.get(text.lower()) if isinstance(text, str) else None
+    if name is None:
+        raise ValueError(f"expected {DTYPES}, got {str(text)!r}")
+    return name
+
+
+def _rounds(text: Any) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = 0
+    if isinstance(text, bool) or value < 1:
+        raise ValueError(f"expected an integer >= 1, got {str(text)!r}")
+    return value
+
+
+def _argtype(check: Any, name: str) -> Any:
+    """``check`` as an argparse type: its ValueError becomes argparse's one-line error."""
+    def convert(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mb", type=float, default=128.0,
-                   help="buffer size in MiB (default 128: real fusion groups are 256)")
+    p.add_argument("--mb", type=_argtype(_mib, "mib"), default=128.0,
+                   help="buffer size in MiB (default 128: real fusion groups are 256); only "
+                        "segment sizes up to it are timed")
     p.add_argument("--segments", default=DEFAULT_SEGMENTS, metavar="MIB,MIB,...",
                    help=f"segment sizes in MiB to try (default {DEFAULT_SEGMENTS})")
-    p.add_argument("--dtype", default="float32", help="buffer dtype (default float32)")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--dtype", type=_argtype(_dtype, "dtype"), default="float32",
+                   help=f"buffer dtype: {DTYPES} (default float32)")
+    p.add_argument("--rounds", type=_argtype(_rounds, "rounds"), default=5,
+                   help="timed rounds (default 5)")
     p.add_argument("--output", metavar="FILE",
                    help="tune file to update (default: $MPIFUSION_TUNE_FILE, else "
                         "~/.cache/mpifusion/tune.json)")
@@ -36,20 +87,57 @@ def _segments(text: str) -> List[int]:
     from ..config import OptionError
 
     out = []
-    for item in text.split(","):
+    for item in str(text).split(","):
         try:
             mib = float(item)
         except ValueError:
             raise OptionError(f"--segments: expected MiB numbers like 1,4,8, got {item!r}") \
                 from None
-        if not mib > 0:
-            raise OptionError(f"--segments: expected sizes > 0, got {item!r}")
+        if not 0 < mib <= MAX_MIB:  # also NaN and inf
+            raise OptionError(f"--segments: expected sizes > 0 and at most {MAX_MIB} MiB "
+                              f"(1 TiB), got {item!r}")
         out.append(max(4096, int(mib * MiB)))
     return sorted(set(out))
 
 
 def _fmt(nbytes: int) -> str:
-    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+    if nbytes >= MiB:
+        return f"{nbytes / MiB:g} MiB"
+    return f"{nbytes / 1024:.4g} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
+def _checked(args: argparse.Namespace) -> tuple:
+    """``(mb, dtype name, rounds, segment sizes)`` of ``args``, checked again here for
+    callers that build the namespace themselves (OptionError naming the option)."""
+    from ..config import OptionError
+
+    values = []
+    for option, check in (("--mb", _mib), ("--dtype", _dtype), ("--rounds", _rounds)):
+        try:
+            values.append(check(getattr(args, option[2:])))
+        except ValueError as exc:
+            raise OptionError(f"{option}: {exc}") from None
+    return (*values, _segments(args.segments))
+
+
+def sweep(segments: Sequence[int], buffer_bytes: int, itemsize: int) -> tuple:
+    """``(timed, cut)``: the segment sizes a buffer of ``buffer_bytes`` can be cut into
+    (at most its size; a larger segment is the whole buffer again), and those left out.
+    OptionError when fewer than two remain, naming the smallest --mb that allows a sweep."""
+    from ..config import OptionError
+
+    timed = [seg for seg in segments if seg <= buffer_bytes]
+    cut = [seg for seg in segments if seg > buffer_bytes]
+    if len(timed) < 2:
+        if len(segments) < 2:
+            raise OptionError(f"--segments: a sweep needs at least two sizes, got "
+                              f"{_fmt(segments[0])} only")
+        need = -(-segments[1] // itemsize) * itemsize  # whole elements, as the buffer has
+        raise OptionError(f"--mb: a buffer of {_fmt(buffer_bytes)} leaves "
+                          f"{len(timed)} of the segment sizes "
+                          f"({', '.join(_fmt(seg) for seg in segments)}) to time, and a sweep "
+                          f"needs two; use --mb {need / MiB!r} or more (or smaller --segments)")
+    return timed, cut
 
 
 def run(args: argparse.Namespace, say: Any = print) -> int:
@@ -61,37 +149,54 @@ def run(args: argparse.Namespace, say: Any = print) -> int:
     from ..comm.communicator import Communicator
     from ..config import CommOptions, OptionError
     from ..dtypes import as_dtype
+    from ..limits import memory_problem
     from .bench import mpi_name, timeit_many
+    from .runjob import _ranks_on_this_node, agree
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
-    segments = _segments(args.segments)
-    if args.rounds < 1 or not args.mb > 0:
-        raise OptionError("expected --rounds >= 1 and --mb > 0")
+    mb, dtype_name, rounds, segments = _checked(args)
     if n < 2:
         raise OptionError("a single rank measures no communication; run it under "
                           "mpiexec -n 2 (or the ranks per node of your jobs)")
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise OptionError("MPI is not at MPI_THREAD_MULTIPLE, so the thread strategy "
                           "(the only one that uses segments) cannot run")
-    dtype = as_dtype(args.dtype)
-    numel = max(n, int(args.mb * MiB) // dtype.itemsize)
-    buf = np.ones(numel, dtype)
+    dtype = as_dtype(dtype_name)
+    numel = max(n, int(mb * MiB) // dtype.itemsize)
+    segments, cut = sweep(segments, numel * dtype.itemsize, dtype.itemsize)
+    # the buffer, and for half precision the fp32 slots a segment is widened into
+    need = numel * dtype.itemsize + (2 * 4 * (max(segments) // dtype.itemsize)
+                                     if dtype.itemsize == 2 else 0)
+    error = memory_problem(need, f"--mb {mb:.10g}: the {dtype.name} buffer",
+                           _ranks_on_this_node(comm))
+    buf = None
+    if error is None:
+        try:
+            buf = np.ones(numel, dtype)
+        except MemoryError:
+            error = (f"--mb {mb:.10g}: out of memory allocating the "
+                     f"{_fmt(numel * dtype.itemsize)} buffer")
+    error = agree(comm, error)  # every rank's verdict, so all stop (or go on) together
+    if error is not None:
+        raise OptionError(error)
     comms = {seg: Communicator(comm, CommOptions(strategy="thread", segment_bytes=seg))
              for seg in segments}
     fns = {seg: (lambda c=c: c.allreduce(buf, scale=1.0 / n).wait())
            for seg, c in comms.items()}
-    res = timeit_many(fns, comm, args.rounds, 1)
+    res = timeit_many(fns, comm, rounds, 1)
     med = {seg: r["median_s"] for seg, r in res.items()}
     best = min(med, key=med.get)
     rule = machine.segment_rule()
     if rank == 0:
         sizes = machine.cache_sizes()
         say(f"# mpifusion tune: {n} ranks, {numel * dtype.itemsize / MiB:g} MiB {dtype.name}, "
-            f"allreduce + 1/n (thread strategy), median of {args.rounds} rounds")
+            f"allreduce + 1/n (thread strategy), median of {rounds} rounds")
         say(f"# {machine.cpu_model()}; caches "
             + (", ".join(f"{k} {_fmt(v)}" for k, v in sorted(sizes.items())) or "unknown")
             + f"; {mpi_name()}")
+        if cut:
+            say(f"# not timed, larger than the buffer: {', '.join(_fmt(seg) for seg in cut)}")
         say(f"{'segment':>10} {'ms':>9} {'GB/s':>7} {'/ best':>7}")
         for seg in segments:
             mark = (" <- fastest" if seg == best else "") + (" (L2 rule)" if seg == rule else "")

@@ -127,6 +127,10 @@ def test_compare_with_their_layout(capsys, tmp_path):
     (["--act", "reduce_scatter"], "nranks: reduce_scatter needs"),
     (["--spec", "/nonexistent/spec.json"], "/nonexistent/spec.json: cannot read"),
     (["--layout", "/nonexistent/theirs.json"], "/nonexistent/theirs.json: cannot read"),
+    # found by a red-team review: --dst -1 quietly meant rank 0
+    (["--act", "reduce", "--dst", "-1"], "--dst: expected a rank >= 0, got -1"),
+    (["--act", "reduce", "--nranks", "4", "--dst", "4"],
+     "--dst: expected a rank in [0, 4) (--nranks 4), got 4"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, needle):
     code, out, err = run_cli(capsys, "layout", *argv)

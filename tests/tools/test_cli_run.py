@@ -42,7 +42,14 @@ def test_default_run_at_8_ranks():
 
 @pytest.mark.parametrize("n, argv, needle", [
     (3, ["--preset", "nope"], "unknown preset 'nope'"),
-    (2, ["--act", "reduce", "--dst", "5"], "dst: reduce needs a root rank in [0, 2)"),
+    (2, ["--act", "reduce", "--dst", "5"], "--dst: expected a rank of this job, in [0, 2)"),
+    # found by a red-team review: --dst -1 quietly meant rank 0, and a --dst past the job's
+    # ranks was accepted when the act has no root
+    (2, ["--act", "reduce", "--dst", "-1"],
+     "--dst: expected a rank of this job, in [0, 2) (2 rank(s)), got -1"),
+    (3, ["--act", "reduce", "--dst", "3"],
+     "--dst: expected a rank of this job, in [0, 3) (3 rank(s)), got 3"),
+    (2, ["--dst", "2"], "--dst: expected a rank of this job, in [0, 2) (2 rank(s)), got 2"),
     (2, ["--steps", "0"], "--steps: expected an integer >= 1"),
 ])
 def test_bad_input_every_rank_exits_2_one_message(n, argv, needle):

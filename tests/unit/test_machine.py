@@ -109,3 +109,43 @@ def test_a_tune_file_that_is_no_regular_file_is_not_read(private_tune_file, monk
     os.mkfifo(fifo)
     assert machine.read_tune(str(fifo)) == {}
     assert machine.read_tune("/dev/zero") == {}
+
+
+_WRITER = r"""
+import os, sys, time
+from mpifusion import machine
+key, path, go, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+machine.machine_key = lambda: key
+while not os.path.exists(go):
+    time.sleep(0.001)
+for i in range(n):
+    machine.write_tune({"segment_bytes": 4096 * (i + 1), "writer": key}, path)
+"""
+
+
+def test_concurrent_writers_keep_every_machine(private_tune_file, tmp_path):
+    """Found by a red-team review: tune writers sharing one file (a home directory seen by
+    several node types) read, changed and rewrote it without a lock, so one dropped what
+    another had just recorded. Every writer's last entry must survive."""
+    import subprocess
+    import sys
+
+    writers, rounds = 6, 25
+    go = tmp_path / "go"
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    env = dict(__import__("os").environ,
+               PYTHONPATH=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    procs = [subprocess.Popen([sys.executable, str(script), f"cpu {k}|L2={k}",
+                               str(private_tune_file), str(go), str(rounds)], env=env)
+             for k in range(writers)]
+    go.write_text("")
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
+    data = json.loads(private_tune_file.read_text())
+    assert data["version"] == 1
+    assert {key: entry["segment_bytes"] for key, entry in data["machines"].items()} == \
+        {f"cpu {k}|L2={k}": 4096 * rounds for k in range(writers)}
+    leftovers = sorted(p.name for p in tmp_path.iterdir()
+                       if p.name not in ("tune.json", "go", "writer.py", "tune.json.lock"))
+    assert leftovers == []  # no temporary files left behind
