@@ -14,6 +14,7 @@ sync (for FSDP2, in the rank's shard; pick a rank that holds rows of it).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -117,6 +118,10 @@ def main() -> int:
         corrupt(inner.fc2.weight.grad)
     cap.record_outputs()
     save("ddp_acc2_corrupt", cap, spec)
+    # FSDP2's reference cycles would keep gloo's threads alive into interpreter exit, which
+    # aborts now and then (as in the README's FSDP2 example)
+    del model, cap, ddp, inner
+    gc.collect()
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0
