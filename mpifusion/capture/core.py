@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -18,6 +18,35 @@ class CaptureError(FusionError, ValueError):
 def dump_dtype(arr: np.ndarray) -> str:
     """The spec dtype name of a recorded array (ml_dtypes bfloat16 included)."""
     return as_dtype(arr.dtype).name
+
+
+def disagreement(summaries: list) -> str:
+    """What makes the ranks' records unfit to gather (empty if nothing): each rank's own
+    error, and every param whose recorded micro-steps differ between ranks. ``summaries`` is
+    every rank's ``{"rank", "problem", "steps": {name: count}}``, in rank order; every rank
+    computes the same text from the same list."""
+    lines = [str(s["problem"]) for s in summaries if s.get("problem")]
+    names: dict = {}
+    for s in summaries:
+        for name in s["steps"]:
+            names.setdefault(name, None)
+    uneven = []
+    for name in names:
+        counts = [int(s["steps"].get(name, 0)) for s in summaries]
+        if len(set(counts)) <= 1:
+            continue
+        by_count: dict = {}
+        for s, c in zip(summaries, counts):
+            by_count.setdefault(c, []).append(str(s["rank"]))
+        parts = [(f"no grad on rank(s) {', '.join(rs)} (unused there?)" if c == 0 else
+                  f"{c} micro-step(s) on rank(s) {', '.join(rs)}")
+                 for c, rs in sorted(by_count.items())]
+        uneven.append(f"{name}: {'; '.join(parts)}")
+    if uneven:
+        lines.append(f"params recorded unlike on the ranks: {' | '.join(uneven[:8])}"
+                     f"{' ...' if len(uneven) > 8 else ''} (expected every param's local grad "
+                     f"on every rank in every micro-step: the oracle needs each rank's inputs)")
+    return "; ".join(lines)
 
 
 class Recorder:
@@ -137,6 +166,26 @@ class Recorder:
         out = {f"in/{n}/{k}": x for n, xs in self._inputs.items() for k, x in enumerate(xs)}
         out.update(self._arrays)
         return out
+
+    def _to_dict_agreed(self, all_gather: Callable[[Any], list]) -> dict:
+        """:meth:`to_dict`, agreed on by every rank before any record is sent: each rank
+        hands ``all_gather`` (a collective returning every rank's object, in rank order) its
+        micro-step count per param and the error its own record raised, if any; then every
+        rank raises the same :class:`CaptureError` when one rank's record is inconsistent or
+        a param's count differs between ranks (unused on a rank: no grad reached its hook).
+        Without this, the rank whose record raised left the others waiting in the gather's
+        collective forever (red-team finding)."""
+        try:
+            mine, problem = self.to_dict(), None
+        except CaptureError as e:
+            mine, problem = None, str(e)
+        summary = {"rank": self.rank, "problem": problem,
+                   "steps": {n: len(xs) for n, xs in self._inputs.items()}}
+        found = disagreement(all_gather(summary))
+        if found:
+            raise CaptureError(f"rank {self.rank}: gather refused on every rank (no record "
+                               f"was sent): {found}")
+        return mine
 
     def save(self, directory: str) -> str:
         """Write ``rank{r}.npz`` into ``directory`` (bfloat16 as raw 2-byte values, which

@@ -1,7 +1,8 @@
 """JAX capture: JAX has no hooks, so grads go in as values: a grads pytree per micro-step
 (what ``jax.grad`` returned on this rank) and the synced pytree (after ``lax.pmean``/``psum``
 or a ``jax.distributed`` all-reduce). Leaves are named by their pytree path
-(``params/dense/kernel``).
+(``params/dense/kernel``); two leaves that would get one name (a key holding "/" next to
+nested keys) are refused, as is a name given to a different leaf in a later tree.
 
 One process per rank: ``JaxCapture(rank=r, nranks=n)``. One process driving several devices
 (``pmap``/``shard_map`` with a leading device axis): ``JaxCapture.stacked(...)`` records
@@ -16,11 +17,14 @@ import numpy as np
 from .core import CaptureError, Recorder
 
 
-def _leaves(tree: Any) -> list:
-    """``[(name, leaf)]`` in pytree order, names from the key paths."""
+def _leaves(tree: Any, where: str = "grads") -> list:
+    """``[(name, path, leaf)]`` in pytree order: names joined from the key paths with "/",
+    ``path`` the key path as ``jax.tree_util.keystr`` writes it. A key holding "/" (Haiku's
+    ``"mlp/~/linear_0"``) is kept as is, so two paths can give one name (``{"a/b": x}`` and
+    ``{"a": {"b": y}}``): refused, naming both, instead of one leaf overwriting the other."""
     import jax
 
-    out = []
+    out, seen = [], {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         parts = []
         for k in path:
@@ -30,7 +34,13 @@ def _leaves(tree: Any) -> list:
                     break
             else:
                 parts.append(str(k))
-        out.append(("/".join(parts) or "leaf", leaf))
+        name, where_path = "/".join(parts) or "leaf", jax.tree_util.keystr(path) or "(root)"
+        if name in seen:
+            raise CaptureError(f"{where}: leaves {seen[name]} and {where_path} both get the "
+                               f"name {name!r} (keys holding '/' join like nested keys); "
+                               f"expected one name per leaf: rename a key")
+        seen[name] = where_path
+        out.append((name, where_path, leaf))
     return out
 
 
@@ -46,21 +56,39 @@ class JaxCapture(Recorder):
 
     def __init__(self, rank: int = 0, nranks: Optional[int] = None) -> None:
         super().__init__(rank, nranks)
+        self._paths: dict = {}  # name -> the key path it was first given for
 
-    def _declare_tree(self, tree: Any) -> list:
-        leaves = [(n, to_numpy(x)) for n, x in _leaves(tree)]
-        for name, arr in leaves:
+    def _same_path(self, name: str, path: str, where: str) -> None:
+        """One name, one key path, in every tree given to this capture (else two different
+        leaves would be recorded as one param)."""
+        old = self._paths.setdefault(name, path)
+        if old != path:
+            raise CaptureError(f"rank {self.rank}: {where}: leaf {path} gets the name "
+                               f"{name!r}, which earlier trees gave leaf {old}; expected "
+                               f"the same tree structure for every micro-step and the "
+                               f"outputs")
+
+    def _declare_tree(self, tree: Any, where: str) -> list:
+        leaves = [(n, path, to_numpy(x))
+                  for n, path, x in _leaves(tree, f"rank {self.rank}: {where}")]
+        for name, path, _ in leaves:
+            self._same_path(name, path, where)
+        for name, _, arr in leaves:
             self.declare(name, arr.shape, arr.dtype)
         return leaves
 
     def add_micro_step(self, grads: Any) -> None:
         """This rank's local grads of one micro-step (a pytree of arrays)."""
-        for name, arr in self._declare_tree(grads):
+        where = f"micro-step {max(map(len, self._inputs.values()), default=0)} grads"
+        for name, _, arr in self._declare_tree(grads, where):
             self.add_input(name, arr)
 
     def set_outputs(self, grads: Any) -> None:
         """What this rank holds after the sync (a pytree shaped like the grads)."""
-        for name, arr in _leaves(grads):
+        leaves = _leaves(grads, f"rank {self.rank}: outputs")
+        for name, path, _ in leaves:
+            self._same_path(name, path, "outputs")
+        for name, _, arr in leaves:
             self.set_output(name, to_numpy(arr))
 
     @classmethod
@@ -70,15 +98,17 @@ class JaxCapture(Recorder):
         device ``d`` becomes rank ``d``. Returns one :class:`JaxCapture` per device."""
         if not micro_steps:
             raise CaptureError("micro_steps: expected at least one grads pytree")
-        first = _leaves(micro_steps[0])
-        ndev = {np.shape(x)[0] if np.ndim(x) else None for _, x in first}
+        first = _leaves(micro_steps[0], "micro_steps[0]")
+        ndev = {np.shape(x)[0] if np.ndim(x) else None for _, _, x in first}
         if len(ndev) != 1 or None in ndev:
             raise CaptureError(f"micro_steps[0]: every leaf needs the same leading device axis "
                                f"(got leading sizes {sorted(map(str, ndev))})")
         n = ndev.pop()
         caps = [cls(rank=d, nranks=n) for d in range(n)]
         for k, grads in enumerate(micro_steps):
-            for name, x in _leaves(grads):
+            for name, path, x in _leaves(grads, f"micro_steps[{k}]"):
+                for cap in caps:
+                    cap._same_path(name, path, f"micro_steps[{k}]")
                 arr = to_numpy(x)
                 if arr.shape[:1] != (n,):
                     raise CaptureError(f"micro_steps[{k}]: {name}: leading axis "
@@ -86,7 +116,9 @@ class JaxCapture(Recorder):
                 for d, cap in enumerate(caps):
                     cap.declare(name, arr.shape[1:], arr.dtype)
                     cap.add_input(name, arr[d])
-        for name, x in _leaves(synced):
+        for name, path, x in _leaves(synced, "synced"):
+            for cap in caps:
+                cap._same_path(name, path, "synced")
             arr = to_numpy(x)
             for d, cap in enumerate(caps):
                 cap.set_output(name, arr[d])

@@ -17,6 +17,9 @@ import numpy as np
 
 from .core import CaptureError, Recorder
 
+#: the grad-hook ids PaddleCapture registered on a param: ``(grad node pointer, {ids})``
+_OWN_HOOKS = "_mpifusion_capture_hook_ids"
+
 _DTYPES = {"paddle.float32": "float32", "paddle.float16": "float16",
            "paddle.bfloat16": "bfloat16", "paddle.float64": "float64"}
 
@@ -62,12 +65,57 @@ class PaddleCapture(Recorder):
         self._attr = attr
         self._params: dict = {}
         self._handles: list = []
-        for name, p in named:
-            if p.stop_gradient:
-                continue
-            self._params[name] = p
-            self.declare(name, tuple(p.shape), dtype_name(p))
-            self._handles.append(p.register_hook(self._make_hook(name, dtype_name(p))))
+        try:
+            for name, p in named:
+                if p.stop_gradient:
+                    continue
+                self._params[name] = p
+                self.declare(name, tuple(p.shape), dtype_name(p))
+                self._hook(name, p)
+        except BaseException:
+            self.remove()  # a refused capture leaves no hook behind
+            raise
+
+    def _hook(self, name: str, p: Any) -> None:
+        """Register the capture's grad hook on ``p``, refusing a param whose grad node had
+        gradient hooks registered before ours (other than earlier captures').
+
+        Paddle runs a grad node's gradient hooks in the order of their ids, which count up
+        per node from 0 and are never reused (``_register_grad_hook`` returns it), but shows
+        no list of them: an id above 0 means hooks were registered before ours and run
+        first. One that all-reduces (a hand-written data-parallel hook) would make every
+        rank record the reduced grad, which any reduction then matches (red-team finding);
+        one that scales or moves the grad (group-sharded scaling, ``MixPrecisionLayer``'s
+        main-grad hook) changes what is recorded as the local grad. DataParallel's reducer
+        and ``_register_backward_hook`` (FusedCommBuffer) run after the grad hooks and take
+        no id."""
+        handle = p.register_hook(self._make_hook(name, dtype_name(p)))
+        self._handles.append(handle)
+        hook_id = getattr(handle, "_hook_id", None)
+        node = getattr(p, "grad_fn", None)
+        node_ptr = node.node_ptr() if node is not None and hasattr(node, "node_ptr") else None
+        if isinstance(hook_id, bool) or not isinstance(hook_id, int) or node_ptr is None:
+            raise CaptureError(f"rank {self.rank}: {name}: cannot tell whether the param has "
+                               f"gradient hooks that run before the capture's (this Paddle's "
+                               f"register_hook gave no hook id or grad node); expected Paddle "
+                               f"3.x")
+        own = getattr(p, _OWN_HOOKS, None)
+        own_ids = own[1] if isinstance(own, tuple) and own[0] == node_ptr else set()
+        earlier = [i for i in range(hook_id) if i not in own_ids]
+        own_ids = set(own_ids) | {hook_id}
+        try:
+            setattr(p, _OWN_HOOKS, (node_ptr, own_ids))
+        except (AttributeError, TypeError):  # then a later capture on p is refused: stricter
+            pass
+        if earlier:
+            raise CaptureError(
+                f"rank {self.rank}: {name}: the param already has gradient hooks "
+                f"({len(earlier)} registered before the capture's, hook id(s) "
+                f"{', '.join(map(str, earlier[:6]))}{' ...' if len(earlier) > 6 else ''}), "
+                f"which would run before the capture's and change what it records as the "
+                f"local grad; expected none: create the capture before registering them "
+                f"(Paddle cannot show whether they were removed since; DataParallel and "
+                f"FusedCommBuffer are fine either way)")
 
     def _make_hook(self, name: str, dtype: str) -> Any:
         def hook(grad: Any) -> None:
@@ -124,12 +172,22 @@ class PaddleCapture(Recorder):
 
     def gather(self, dst: int = 0) -> Optional[list]:
         """Every rank's ``to_dict()``, in rank order, on every rank (Paddle's
-        ``all_gather_object``; ``dst`` kept for symmetry with TorchCapture: None elsewhere)."""
+        ``all_gather_object``; ``dst`` kept for symmetry with TorchCapture: None elsewhere).
+        When a rank's record is inconsistent, or a param has grads on some ranks and not
+        others, every rank raises the same :class:`CaptureError`."""
         import paddle.distributed as dist
 
-        mine = self.to_dict()
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [mine]
+            return [self.to_dict()]
+
+        def all_gather(obj: Any) -> list:
+            every: list = []
+            dist.all_gather_object(every, obj)
+            return every
+
+        # every rank first learns whether every record is sound: one rank raising alone
+        # would leave the others in all_gather_object for ever
+        mine = self._to_dict_agreed(all_gather)
         out: list = []
         dist.all_gather_object(out, mine)
         return out if dist.get_rank() == dst else None

@@ -89,23 +89,81 @@ class TorchCapture(Recorder):
         self._hooked: dict = {}     # id(tensor) -> weakref, tensors that carry our hook
         self._handles: list = []
         self._sharded = False
-        for name, p in inner.named_parameters():
-            if not p.requires_grad:
+        try:
+            for name, p in inner.named_parameters():
+                if not p.requires_grad:
+                    continue
+                self._params[name] = p
+                self.declare(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+                if _is_dtensor(p):
+                    self._sharded = True
+                else:
+                    self._hook(name, p)
+            self._refuse_fsdp_mixed_precision(inner)
+            if self._sharded or gather:
+                for mod_name, mod in inner.named_modules():
+                    if any(True for _ in mod.named_parameters(recurse=False)):
+                        self._handles.append(mod.register_forward_pre_hook(
+                            self._make_pre_forward(mod_name)))
+        except BaseException:
+            self.remove()  # a refused capture leaves no hook behind
+            raise
+
+    def _refuse_fsdp_mixed_precision(self, inner: Any) -> None:
+        """FSDP2 with a ``MixedPrecisionPolicy`` that changes a param's dtype is refused:
+        its unsharded param (whose grad the hook records) and its all-gather are in
+        ``param_dtype``, the reduction in ``reduce_dtype``, and the sharded grad is cast back
+        to the param's dtype, while the capture declares the param's dtype for all of them:
+        the oracle would check the reduction at the wrong precision and report a misleading
+        all-gather mismatch (red-team finding)."""
+        seen: set = set()
+        by_id = {id(p): n for n, p in self._params.items()}
+        for mod_name, mod in inner.named_modules():
+            get_state = getattr(mod, "_get_fsdp_state", None)
+            if get_state is None:
                 continue
-            self._params[name] = p
-            self.declare(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
-            if _is_dtensor(p):
-                self._sharded = True
-            else:
-                self._hook(name, p)
-        if self._sharded or gather:
-            prefix_of = {}
-            for mod_name, mod in inner.named_modules():
-                local = [n for n, _ in mod.named_parameters(recurse=False)]
-                if local:
-                    prefix_of[id(mod)] = mod_name
-                    self._handles.append(mod.register_forward_pre_hook(
-                        self._make_pre_forward(mod_name)))
+            state = get_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                if id(group) in seen:
+                    continue
+                seen.add(id(group))
+                policy = getattr(group, "mp_policy", None)
+                fsdp_params = getattr(group, "fsdp_params", None)
+                if policy is None or fsdp_params is None:
+                    raise CaptureError(f"rank {self.rank}: FSDP2 module '{mod_name}': cannot "
+                                       f"read its MixedPrecisionPolicy (this torch's FSDP2 "
+                                       f"internals differ from torch 2.13's), so cannot tell "
+                                       f"in which dtype its grads are reduced; expected a "
+                                       f"param group with mp_policy and fsdp_params")
+                for fp in fsdp_params:
+                    sharded = getattr(fp, "sharded_param", None)
+                    if id(sharded) not in by_id:
+                        continue  # frozen: not captured, not reduced
+                    orig = sharded.dtype
+                    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+                    # as FSDPParam.init_dtype_attrs: a dtype equal to the param's is no cast
+                    if param_dtype == orig or not orig.is_floating_point:
+                        param_dtype = None
+                    compute = param_dtype or orig
+                    if reduce_dtype == compute:
+                        reduce_dtype = None
+                    if param_dtype is None and reduce_dtype is None:
+                        continue
+                    name = by_id[id(sharded)]
+                    dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
+                    raise CaptureError(
+                        f"rank {self.rank}: {name}: FSDP2 mixed precision on module "
+                        f"'{mod_name or '(root)'}' (MixedPrecisionPolicy(param_dtype="
+                        f"{dt(policy.param_dtype)}, reduce_dtype={dt(policy.reduce_dtype)})) "
+                        f"for a {dt(orig)} param: its grads are computed in {dt(compute)} "
+                        f"and reduced in {dt(reduce_dtype or compute)}, its all-gather runs "
+                        f"in {dt(compute)}, but the capture records and checks them as "
+                        f"{dt(orig)}; not supported: expected no MixedPrecisionPolicy (or "
+                        f"one whose dtypes equal the params') for the captured step")
 
     # ---------------------------------------------------------------- hooks
     def _hook(self, name: str, t: Any) -> None:
@@ -132,8 +190,13 @@ class TorchCapture(Recorder):
                 name = f"{mod_name}.{local}" if mod_name else local
                 if name not in self._params or _is_dtensor(t):
                     continue  # not ours, or still sharded (FSDP2 has not gathered it)
-                self._hook(name, t)  # FSDP2's unsharded param: its grad is the local one
                 sharded = self._params[name]
+                if t.dtype != sharded.dtype:  # a mixed-precision cast the refusal missed
+                    raise CaptureError(f"rank {self.rank}: {name}: the unsharded param is "
+                                       f"{t.dtype}, the sharded one {sharded.dtype} (FSDP2 "
+                                       f"mixed precision?); expected one dtype: the capture "
+                                       f"checks the reduction in the param's dtype")
+                self._hook(name, t)  # FSDP2's unsharded param: its grad is the local one
                 if self._gather and _is_dtensor(sharded):
                     shard = to_numpy(sharded)
                     self.set_shard(name, shard, dtensor_range(sharded, shard.size))
@@ -166,12 +229,22 @@ class TorchCapture(Recorder):
 
     def gather(self, dst: int = 0) -> Optional[list]:
         """Every rank's ``to_dict()``, in rank order, on rank ``dst`` (None elsewhere), over
-        torch.distributed (a collective: every rank calls it)."""
+        torch.distributed (a collective: every rank calls it). When a rank's record is
+        inconsistent, or a param has grads on some ranks and not others (unused on a rank),
+        every rank raises the same :class:`CaptureError`, naming the ranks and params."""
         import torch.distributed as dist
 
-        mine = self.to_dict()
         if not (dist.is_available() and dist.is_initialized()):
-            return [mine]
+            return [self.to_dict()]
+
+        def all_gather(obj: Any) -> list:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, obj)
+            return every
+
+        # every rank first learns whether every record is sound: one rank raising alone
+        # would leave the others in gather_object for ever
+        mine = self._to_dict_agreed(all_gather)
         out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, out, dst=dst)
         return out
