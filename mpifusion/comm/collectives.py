@@ -105,7 +105,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     staging ``device``) goes through ``staging.StagedSegments``: its copies overlap the
     reduction of other segments. ``ring``: the number of ranks, to all-reduce a host buffer
     by :func:`_ring_allreduce` instead of the library's Allreduce (0)."""
-    flat = buf.reshape(-1)
+    flat = buf if buf.ndim == 1 else buf.reshape(-1)
     lands = root is None or root == rank
     own = None if lands else sent_scale
     host = device is None and not backend.is_cupy(flat)
@@ -116,7 +116,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
         # generator would cost a small collective ~1 us more (BENCHMARKS.md, small messages)
         factor = scale if lands else own
         return iter((_reduce_call(flat, root, lands, None if factor is None
-                                  else partial(backend.scale_, flat, factor)),))
+                                  else backend.scaling(flat, factor)),))
     return _segmented(flat, buf, scale, seg, root, lands, own, window, device)
 
 

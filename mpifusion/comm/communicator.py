@@ -151,7 +151,7 @@ class Communicator:
         self.comm: Optional[MPI.Comm] = None
         self._engine = None
         self._negotiator: Optional[Negotiator] = None
-        self._segments: dict = {}   # (dtype, segment_bytes) -> elements per segment
+        self._segments: dict = {}   # (dtype, segment_bytes) -> _form(dtype)
         self.closed = False
         if open:
             self.open()
@@ -250,17 +250,22 @@ class Communicator:
 
     def _segment(self, dtype: Any) -> int:
         """Elements per segment for ``dtype`` buffers (everything at once when 0)."""
+        return self._form(dtype)[0]
+
+    def _form(self, dtype: Any) -> Tuple[int, int]:
+        """(elements per segment, the order check's dtype code) for ``dtype`` buffers, cached:
+        a small collective asks on every start."""
         key = (dtype, self.segment_bytes)
-        seg = self._segments.get(key)
-        if seg is None:
+        form = self._segments.get(key)
+        if form is None:
             if self.segment_bytes == 0:
                 # half precision still goes in bounded pieces: no full-size fp32 copy
                 seg = (DEFAULT_SEGMENT_BYTES // 4) if dtype in HALF else (1 << 62)
             else:
                 seg = max(1, self.segment_bytes
                           // (4 if dtype in HALF else np.dtype(dtype).itemsize))
-            self._segments[key] = seg
-        return seg
+            form = self._segments[key] = (seg, order_mod.dtype_code(dtype))
+        return form
 
     def _start(self, steps: Steps, keep: Sequence[Any], name: str,
                desc: Sequence[int], nbytes: Optional[int] = None,
@@ -302,13 +307,13 @@ class Communicator:
                   name: str = "allreduce", tag: Tuple[int, int] = (-1, -1),
                   prepare: Optional[Callable[[], None]] = None) -> CommTask:
         cuda.synchronize(buf)
-        steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=None, rank=self.rank,
-                                window=self.window,
+        nbytes = buf.nbytes
+        seg, code = self._form(buf.dtype)
+        steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
                                 ring=self.size if (self.allreduce_way == "ring"
-                                                   and buf.nbytes > INLINE_MAX_BYTES) else 0)
-        return self._start(steps, (buf,), name,
-                           (ALLREDUCE, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag),
-                           buf.nbytes, prepare)
+                                                   and nbytes > INLINE_MAX_BYTES) else 0)
+        return self._start(steps, (buf,), name, (ALLREDUCE, buf.size, code, -1, *tag),
+                           nbytes, prepare)
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
                name: str = "reduce", tag: Tuple[int, int] = (-1, -1),

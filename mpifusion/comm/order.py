@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ..errors import OrderError
 from .poll import Backoff
-from .task import FENCE, CommTask, Steps
+from .task import CHECK, FENCE, CommTask, Steps
 
 if TYPE_CHECKING:
     from .engines import _Engine
@@ -93,15 +93,14 @@ def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.
     every engine: see :data:`task.Call`). ``desc`` is (kind, count, dtype, root, buffer id,
     step, communicator key). The fingerprint covers the form of the calls that follow, so
     ranks that would issue them differently stop here instead of deadlocking."""
-    values = (task.seq, *desc)
-    h = fingerprint((*values, task.polled))
+    h = fingerprint((task.seq, *desc, task.polled))
     # the engine's scratch: its tasks run one at a time, and this is a fence
-    scratch = task._engine.check_scratch
-    scratch[0], scratch[1] = h, h ^ _MASK
-    yield task._engine.check_call
-    _, _, high, low = scratch.tolist()
-    if high ^ _MASK != low:
-        row = np.array(values, dtype=np.int64)
+    words = task._engine.check_words
+    words[0] = h
+    words[1] = h ^ _MASK
+    yield CHECK
+    if words[2] ^ _MASK != words[3]:
+        row = np.array((task.seq, *desc), dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
         yield ("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
         raise OrderError(order_message(comm.Get_rank(), rows, task.name or "collective"))

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 #: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips
 #: it; both first finish what is in flight (:data:`FENCE` is a pause of 0).
 #:
+#: :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
+#: the engine, ``_Engine.start_check``): a fence, non-blocking on every engine.
+#:
 #: A name already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
 #: engine (the thread engine then waits for it): the order check always is, so that the
 #: checks of any two collectives match whatever each rank runs, and so are all calls of a
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 Call = Tuple[Any, ...]
 Steps = Iterator[Call]
 FENCE: Call = ("_pause", (0.0,), {})
+CHECK_NAME = "_check"
+CHECK: Call = (CHECK_NAME, (), {})
 
 
 def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
@@ -54,7 +59,7 @@ def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
 def as_nonblocking(steps: Steps) -> Steps:
     """``steps`` with every MPI call in its non-blocking form."""
     for step in steps:
-        yield step if step[0] == "_pause" else (nonblocking_name(step[0]), *step[1:])
+        yield step if step[0][0] == "_" else (nonblocking_name(step[0]), *step[1:])
 
 
 def _deadline_seconds(timeout: Any) -> Optional[float]:
@@ -201,7 +206,8 @@ class CommTask:
         (``OrderError``, ``AbandonedError``, ``CommError``) every time it is called."""
         if not self._done:
             seconds = self.timeout if timeout is None else _deadline_seconds(timeout)
-            if not self._finished():
+            event = self._event
+            if event is None or not event._set:  # not _finished(), without the call
                 self._engine.wait_for(self, seconds)
             self._complete()
         if self._error is not None:

@@ -75,3 +75,51 @@ def test_buffers_with_one_id_in_different_orders_are_an_order_error(comm, strate
     assert len(raised) == 2, "mixed the grads of two params without an error"
     assert "built on this communicator" in raised[0]
     assert params[0].grad[0] == 1.0 and params[1].grad[0] == 100.0  # nothing exchanged
+
+
+@pytest.mark.parametrize("strategy", ["thread", "nonblocking"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_order_check_by_persistent_request_and_without(comm, strategy, persistent):
+    """The order check is one persistent all-reduce per stream (MPI-4 ``Allreduce_init``,
+    started again for every collective); an MPI without persistent collectives gets an
+    ``Iallreduce`` per check instead. Either way: matched collectives give exact sums, small
+    and large, many times over (the persistent request is restarted); collectives started
+    in different orders are an OrderError on every rank, and the stream goes on after it."""
+    from mpifusion.comm import release
+    from mpifusion.comm.communicator import Communicator
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    sub = comm.Dup()  # its own streams: the fallback below must not leak into other tests
+    try:
+        c1 = Communicator(sub, CommOptions(strategy=strategy))
+        c2 = Communicator(sub, CommOptions(strategy=strategy))
+        engine = c1._engine
+        assert engine is c2._engine
+        if persistent:
+            assert engine.check_request is not None, "an MPI-4 library: a persistent check"
+        else:
+            engine.free_check()  # as on an MPI without Allreduce_init
+            assert engine.check_request is None
+        for size in (1, 1000, 300_000):
+            for k in range(5):
+                a = np.full(size, rank + 1.0 + k, np.float64)
+                c1.allreduce(a).wait()
+                assert (a == n * (n + 1) / 2 + n * k).all()
+        if n > 1:
+            a, b = np.ones(8, np.float64), np.ones(16, np.float64)
+            first, second = ((c1, a), (c2, b)) if rank == 0 else ((c2, b), (c1, a))
+            tasks = [first[0].allreduce(first[1]), second[0].allreduce(second[1])]
+            errors = []
+            for task in tasks:
+                try:
+                    task.wait()
+                except OrderError as exc:
+                    errors.append(str(exc))
+            assert len(errors) == 2 and all("no grad changed" in e for e in errors)
+            assert (a == 1).all() and (b == 1).all()
+        a = np.full(5, rank + 1.0, np.float64)
+        c2.allreduce(a).wait()
+        assert (a == n * (n + 1) / 2).all()
+    finally:
+        release(sub)
+        sub.Free()
