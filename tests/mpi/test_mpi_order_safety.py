@@ -123,3 +123,37 @@ def test_order_check_by_persistent_request_and_without(comm, strategy, persisten
     finally:
         release(sub)
         sub.Free()
+
+
+@pytest.mark.parametrize("strategy", ["thread", "nonblocking"])
+def test_deadline_passing_with_the_check_in_flight(comm, strategy):
+    """One rank starts late: the others' waits pass their deadline while the order check
+    (a persistent request) is in flight -- the thread strategy's caller hands it to the comm
+    thread -- and every rank starts a second collective meanwhile. The check must not be
+    restarted before it completed: both results exact, and fifty more checks after it."""
+    import time
+
+    from mpifusion.comm.communicator import Communicator
+    from mpifusion.errors import CommTimeoutError
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    c = Communicator(comm, CommOptions(strategy=strategy, timeout=0.3))
+    for trial in range(4):
+        a = np.full(1000, rank + 1.0 + trial, np.float64)
+        b = np.full(50, rank + 2.0, np.float64)
+        if rank == n - 1 and trial % 2 == 0:
+            time.sleep(0.6)
+        first = c.allreduce(a)
+        try:
+            first.wait()
+        except CommTimeoutError:
+            pass  # the late rank's peers, mostly
+        second = c.allreduce(b)
+        first.wait(timeout=60)
+        second.wait(timeout=60)
+        assert (a == n * (n + 1) / 2 + n * trial).all()
+        assert (b == n * (n + 3) / 2).all()
+    for _ in range(50):
+        x = np.full(7, rank + 1.0, np.float64)
+        c.allreduce(x).wait(timeout=60)
+        assert (x == n * (n + 1) / 2).all()
