@@ -117,12 +117,25 @@ class _Engine:
     def drain(self, timeout: float) -> None:
         """Finish every started task (at exit), giving up after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        for task in list(self.tasks):
+        while True:
+            # tasks started meanwhile count too: a negotiation round that ends with a buffer
+            # ready on this rank starts the next round (submit_from_stream); buffers marked
+            # ready wait in the negotiator's queues, in no round yet
+            pending = [t for t in list(self.tasks) if not t._finished()]
+            negotiator = self.negotiator
+            if negotiator is not None:
+                with negotiator.lock:
+                    pending += [t for q in negotiator.queues.values() for t in q]
+                    if negotiator.current is not None:
+                        pending.append(negotiator.current)
+            pending = [t for t in pending if not t._finished()]
+            if not pending:
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                self.wait_for(task, left)
+                self.wait_for(pending[0], left)
             except Exception:  # at exit there is nobody left to tell
                 return
 
@@ -407,13 +420,13 @@ class _ThreadEngine(_Engine):
             except queue.Empty:
                 pass
             while True:
-                with self.lock:
-                    task, timeout = self._next()
-                if task is None:
-                    break
-                # a caller may still be running the task before this one (it took it from
-                # ``todo`` holding ``running``): start after it
+                # choose holding ``running``: a caller running the task before this one
+                # (taken from ``todo``) may hand it back at its deadline, at todo's front
                 with self.running:
+                    with self.lock:
+                        task, timeout = self._next()
+                    if task is None:
+                        break
                     self._execute(task)
                 task._event.set()
 

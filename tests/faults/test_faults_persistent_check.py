@@ -108,10 +108,6 @@ def test_handoff_nonblocking_exact(tmp_path, nranks):
     assert rc == 0 and _all_ok(out, "handoff", nranks), out[-4000:]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _ThreadEngine._run takes the next task from todo "
-                   "before acquiring `running`; a caller whose polled wait passes its deadline "
-                   "hands its task back behind it, so the next task's CHECK starts the still "
-                   "active persistent check (MPI_Start on an active request), streams misalign")
 @pytest.mark.parametrize("nranks", (2, 3))
 def test_handoff_thread_exact(tmp_path, nranks):
     rc, out = _job(tmp_path, nranks, "handoff", "thread", "3")
@@ -123,9 +119,6 @@ def test_release_negotiated_thread_exact(tmp_path):
     assert rc == 0 and _all_ok(out, "release", 2), out[-4000:]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _Engine.drain waits only for a snapshot of "
-                   "engine.tasks; the next negotiation round (submit_from_stream) and tasks "
-                   "queued in the Negotiator are missed and the duplicate is freed under them")
 def test_release_negotiated_nonblocking_exact(tmp_path):
     rc, out = _job(tmp_path, 2, "release", "nonblocking", "10")
     assert rc == 0 and _all_ok(out, "release", 2), out[-4000:]
