@@ -6,8 +6,10 @@ time limit, so a hanging job fails its test instead of the suite.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +81,22 @@ def run_cli(capsys, *argv: str) -> tuple:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free ports after it (Paddle's gloo endpoints)."""
+    for _ in range(50):
+        base = random.randint(20000, 60000)
+        try:
+            socks = []
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.skip("no free local ports for gloo")

@@ -276,21 +276,20 @@ def scaling(arr: Any, factor: float) -> Optional[Callable[[], Any]]:
     """:func:`scale_` of ``arr`` by ``factor``, prepared now to run later (None: nothing to
     do): a small collective scales in its last step, where a microsecond counts."""
     if float(factor) == 1.0:
-        return None  # x * 1 == x exactly: skip a pass over the buffer
+        return None
     if arr.dtype.itemsize >= 4:
-        return partial(arr.__imul__, arr.dtype.type(factor))
-    return partial(_scale_half, arr, factor)
+        return partial(arr.__imul__, arr.dtype.type(factor))  # what scale_ computes
+    return partial(scale_, arr, factor)
 
 
 def scale_(arr: Any, factor: float) -> None:
     """``arr *= factor`` in place, computed in fp32 for half precision (as Paddle's scale
     kernel does) through one cache-sized fp32 scratch, so no full-size temporary is made."""
-    call = scaling(arr, factor)
-    if call is not None:
-        call()
-
-
-def _scale_half(arr: Any, factor: float) -> None:
+    if float(factor) == 1.0:
+        return  # x * 1 == x exactly: skip a pass over the buffer
+    if arr.dtype.itemsize >= 4:
+        arr *= arr.dtype.type(factor)
+        return
     xp = array_module(arr)
     f = xp.float32(factor)
     flat = arr.reshape(-1)

@@ -14,7 +14,7 @@ import pytest
 from mpifusion.capture import CaptureError
 from mpifusion.oracle import check
 
-from tests.helpers import run_job
+from tests.helpers import free_ports, run_job
 
 # ------------------------------------------------------------------ Paddle: earlier hooks
 
@@ -187,25 +187,6 @@ def _results(out_dir, nranks: int) -> dict:
     return results
 
 
-def _free_ports(count: int) -> int:
-    """A base port with ``count`` free ports after it (Paddle's gloo endpoints)."""
-    import random
-    import socket
-
-    for _ in range(50):
-        base, socks = random.randint(20000, 60000), []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.skip("no free local ports for gloo")
 
 
 def test_paddle_two_ranks_reducing_hook_refused_data_parallel_kept(tmp_path):
@@ -217,7 +198,7 @@ def test_paddle_two_ranks_reducing_hook_refused_data_parallel_kept(tmp_path):
     _paddle()
     script = tmp_path / "paddle_job.py"
     script.write_text(PADDLE_JOB, encoding="utf-8")
-    out = run_job(2, [sys.executable, str(script), str(_free_ports(2)), str(tmp_path)],
+    out = run_job(2, [sys.executable, str(script), str(free_ports(2)), str(tmp_path)],
                   timeout=150, hang_ok=True)
     assert out.returncode is not None, f"the job hung:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

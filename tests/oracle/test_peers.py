@@ -10,8 +10,6 @@ torch, jax and paddle).
 from __future__ import annotations
 
 import importlib.util
-import random
-import socket
 import sys
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from mpifusion.errors import OracleMismatch
 from mpifusion.oracle import check
 
-from tests.helpers import run_job
+from tests.helpers import free_ports, run_job
 
 PEERS = Path(__file__).resolve().parent / "peers"
 
@@ -30,23 +28,6 @@ def _need(module: str) -> None:
         pytest.skip(f"{module} is not installed (pip install -e '.[{module}]')")
 
 
-def _free_ports(count: int) -> int:
-    """A base port with ``count`` free ports after it (Paddle's gloo endpoints)."""
-    for _ in range(50):
-        base = random.randint(20000, 60000)
-        try:
-            socks = []
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.skip("no free local ports for gloo")
 
 
 def _run_peer(tmp_path_factory, name: str, argv: list, nranks: int = 2, env=None) -> Path:
@@ -73,7 +54,7 @@ def _check_case(out: Path, case: str, victim: str, rank: int) -> None:
 @pytest.fixture(scope="module")
 def paddle_out(tmp_path_factory):
     _need("paddle")
-    return _run_peer(tmp_path_factory, "paddle_fused", ["--port", str(_free_ports(2))])
+    return _run_peer(tmp_path_factory, "paddle_fused", ["--port", str(free_ports(2))])
 
 
 @pytest.mark.parametrize("acc", [1, 2, 3])
