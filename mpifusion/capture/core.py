@@ -62,6 +62,7 @@ class Recorder:
         self._meta: dict = {}     # name -> (shape, dtype name), declaration order
         self._inputs: dict = {}   # name -> [array per micro-step]
         self._arrays: dict = {}   # out/, range/, shard/, param/ keys
+        self._deferred: list = []  # errors of reading the sync's results, raised by to_dict
 
     # ---------------------------------------------------------------- recording
     def declare(self, name: str, shape: Iterable[int], dtype: Any) -> None:
@@ -133,11 +134,22 @@ class Recorder:
         self._arrays[f"range/{name}"] = np.array([begin, end], dtype=np.int64)
         self._arrays[f"{kind}/{name}"] = value.reshape(-1)
 
+    def _defer(self, read: Callable[[], None]) -> None:
+        """Run ``read`` (one param's output after the sync); its :class:`CaptureError` is
+        kept and raised by :meth:`to_dict`, hence by ``gather()`` on every rank. Raised
+        here, on the one rank whose param lacked a grad, it left its peers waiting in
+        their ``gather()`` for ever (red-team finding)."""
+        try:
+            read()
+        except CaptureError as e:
+            self._deferred.append(str(e))
+
     def clear(self) -> None:
         """Forget everything recorded (the declared params stay): the next step starts over."""
         for xs in self._inputs.values():
             xs.clear()
         self._arrays.clear()
+        self._deferred.clear()
 
     # ---------------------------------------------------------------- results
     @property
@@ -161,7 +173,9 @@ class Recorder:
 
     def to_dict(self) -> dict:
         """This rank's record in the dump format (``mpifusion.oracle.check`` takes a list of
-        these, one per rank)."""
+        these, one per rank). Raises what reading the outputs found (see ``_defer``)."""
+        if self._deferred:
+            raise CaptureError("; ".join(self._deferred))
         self.acc_steps  # noqa: B018 - raises on inconsistent micro-steps
         out = {f"in/{n}/{k}": x for n, xs in self._inputs.items() for k, x in enumerate(xs)}
         out.update(self._arrays)

@@ -339,8 +339,10 @@ def test_param_unused_on_one_rank_fails_gather_on_every_rank(tmp_path):
     """A param without a grad on one rank (unused there in one micro-step, or in all): its
     record raised on that rank only, before gather's collective, and the other rank was left
     in it (waiting for ever, or paired with the next gather: rank 0 got the wrong case's
-    records). Now every rank raises the same CaptureError from gather, naming the rank
-    and the param, and the ranks go on in step (a sound gather afterwards works)."""
+    records). The same for a grad cleared on one rank before record_outputs (that rank
+    raised from record_outputs alone). Now every rank raises the same CaptureError from
+    gather, naming the rank and the param, and the ranks go on in step (a sound gather
+    afterwards works)."""
     body = """
     class Two(torch.nn.Module):
         def __init__(self):
@@ -351,13 +353,18 @@ def test_param_unused_on_one_rank_fails_gather_on_every_rank(tmp_path):
         def forward(self, x, use_b):
             return self.a(x) + (self.b(x) if use_b else 0)
 
-    def run(case, uses):
+    def run(case, uses, zero_first=False):
         torch.manual_seed(0)
         model = Two()
         cap = TorchCapture(model)
         for use_b in uses:
             model(torch.randn(4, 3), use_b).square().sum().backward()
-        cap.record_outputs()
+        if zero_first:  # the user's zero_grad came before record_outputs on this rank
+            model.zero_grad(set_to_none=True)
+        try:
+            cap.record_outputs()
+        except CaptureError as e:  # raising here, on one rank, strands the other in gather
+            say(case + "_record", f"CaptureError: {e}")
         try:
             records = cap.gather(dst=0)
         except CaptureError as e:
@@ -370,6 +377,8 @@ def test_param_unused_on_one_rank_fails_gather_on_every_rank(tmp_path):
     run("partly", [True, True] if rank == 0 else [True, False])
     # rank 1 never uses b: its record is consistent, but lacks b's inputs
     run("never", [True] if rank == 0 else [False])
+    # rank 1 cleared its grads before reading them: raised on rank 1 alone before
+    run("zeroed", [True], zero_first=rank == 1)
     run("sound", [True, True])
     """
     results = _torch_job(tmp_path, body, nranks=2)
@@ -383,6 +392,12 @@ def test_param_unused_on_one_rank_fails_gather_on_every_rank(tmp_path):
         assert never.startswith(f"CaptureError: rank {r}: gather refused on every rank"), never
         assert "b.weight: no grad on rank(s) 1 (unused there?); 1 micro-step(s) on rank(s) 0" \
             in never and "b.bias: no grad on rank(s) 1" in never and "a.weight" not in never
+        zeroed = results[(r, "zeroed")]
+        assert zeroed.startswith(f"CaptureError: rank {r}: gather refused on every rank (no "
+                                 f"record was sent): rank 1: a.weight: .grad is None after "
+                                 f"the sync (call record_outputs before zero_grad)"), zeroed
+        assert "b.bias: .grad is None" in zeroed, zeroed
+        assert (r, "zeroed_record") not in results, results
     assert results[(0, "sound")] == "gathered 2" and results[(1, "sound")] == "gathered None"
 
 
