@@ -134,15 +134,23 @@ class Recorder:
         self._arrays[f"range/{name}"] = np.array([begin, end], dtype=np.int64)
         self._arrays[f"{kind}/{name}"] = value.reshape(-1)
 
-    def _defer(self, read: Callable[[], None]) -> None:
-        """Run ``read`` (one param's output after the sync); its :class:`CaptureError` is
-        kept and raised by :meth:`to_dict`, hence by ``gather()`` on every rank. Raised
-        here, on the one rank whose param lacked a grad, it left its peers waiting in
-        their ``gather()`` for ever (red-team finding)."""
-        try:
-            read()
-        except CaptureError as e:
-            self._deferred.append(str(e))
+    def _read_outputs(self, params: dict, attr: str, cleared_by: str,
+                      store: Callable[[str, Any, Any], None]) -> None:
+        """``store(name, param, grad)`` for each param given grads, its grad read from
+        ``attr``. A grad that is gone (``cleared_by`` ran first) or refused is kept and
+        raised by :meth:`to_dict`, hence by ``gather()`` on every rank: raised here, on the
+        one rank that lacked it, it left its peers waiting in ``gather()`` for ever."""
+        for name, p in params.items():
+            if not self._inputs[name]:
+                continue
+            try:
+                g = getattr(p, attr, None)
+                if g is None:
+                    raise CaptureError(f"rank {self.rank}: {name}: .{attr} is None after the "
+                                       f"sync (call record_outputs before {cleared_by})")
+                store(name, p, g)
+            except CaptureError as e:
+                self._deferred.append(str(e))
 
     def clear(self) -> None:
         """Forget everything recorded (the declared params stay): the next step starts over."""
@@ -173,7 +181,7 @@ class Recorder:
 
     def to_dict(self) -> dict:
         """This rank's record in the dump format (``mpifusion.oracle.check`` takes a list of
-        these, one per rank). Raises what reading the outputs found (see ``_defer``)."""
+        these, one per rank). Raises what reading the outputs found (see ``_read_outputs``)."""
         if self._deferred:
             raise CaptureError("; ".join(self._deferred))
         self.acc_steps  # noqa: B018 - raises on inconsistent micro-steps

@@ -137,16 +137,8 @@ class PaddleCapture(Recorder):
     def record_outputs(self) -> None:
         """Read what the sync left in each param's ``grad`` (or ``attr``), full shape. A
         missing grad raises in ``gather()``, on every rank, not here on one."""
-        for name, p in self._params.items():
-            if self._inputs[name]:
-                self._defer(lambda name=name, p=p: self._read_output(name, p))
-
-    def _read_output(self, name: str, p: Any) -> None:
-        g = getattr(p, self._attr, None)
-        if g is None:
-            raise CaptureError(f"rank {self.rank}: {name}: .{self._attr} is None after the "
-                               f"sync (call record_outputs before clear_grad)")
-        self.set_output(name, to_numpy(g).reshape(tuple(p.shape)))
+        self._read_outputs(self._params, self._attr, "clear_grad", lambda name, p, g:
+                           self.set_output(name, to_numpy(g).reshape(tuple(p.shape))))
 
     def record_buffer_outputs(self, buffer: Any) -> None:
         """A REDUCE_SCATTER ``FusedCommBuffer``: each param's slice of this rank's shard of

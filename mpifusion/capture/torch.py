@@ -215,15 +215,9 @@ class TorchCapture(Recorder):
         """Read what the sync left in each param's grad: full for DDP, this rank's shard
         (with its range) for FSDP2. A param whose grad is missing does not raise here but
         in ``gather()``, on every rank (one rank raising alone would strand the others)."""
-        for name, p in self._params.items():
-            if self._inputs[name]:
-                self._defer(lambda name=name, p=p: self._read_output(name, p))
+        self._read_outputs(self._params, self._attr, "zero_grad", self._store_output)
 
-    def _read_output(self, name: str, p: Any) -> None:
-        g = getattr(p, self._attr, None)
-        if g is None:
-            raise CaptureError(f"rank {self.rank}: {name}: .{self._attr} is None after "
-                               f"the sync (call record_outputs before zero_grad)")
+    def _store_output(self, name: str, p: Any, g: Any) -> None:
         arr = to_numpy(g)
         if _is_dtensor(g):
             self.set_output(name, arr.reshape(-1), dtensor_range(g, arr.size))
