@@ -176,6 +176,19 @@ def naninf_check_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     return any(parse_bool(environ.get(k, ""), k) for k in NANINF_ENV)
 
 
+# CommOptions field, its environment variable, its parser (in the order they are read)
+_ENV_FIELDS = (
+    ("strategy", STRATEGY_ENV, parse_strategy),
+    ("segment_bytes", SEGMENT_ENV, parse_segment_bytes),
+    ("timeout", TIMEOUT_ENV, parse_timeout),
+    ("check_agreement", AGREEMENT_ENV, parse_bool),
+    ("window", WINDOW_ENV, parse_window),
+    ("order", ORDER_ENV, parse_order),
+    ("verify_order", VERIFY_ORDER_ENV, parse_bool),
+    ("allreduce", ALLREDUCE_ENV, parse_allreduce),
+)
+
+
 @dataclass(frozen=True)
 class CommOptions:
     """How a buffer's collectives run (the same on every rank: checked at construction).
@@ -240,27 +253,9 @@ class CommOptions:
         (arguments beat the environment; ``None`` overrides are ignored)."""
         environ = os.environ if environ is None else environ
         fields: dict = {}
-        value = environ.get(STRATEGY_ENV, "").strip()
-        if value:
-            fields["strategy"] = parse_strategy(value, STRATEGY_ENV)
-        value = environ.get(SEGMENT_ENV, "").strip()
-        if value:
-            fields["segment_bytes"] = parse_segment_bytes(value, SEGMENT_ENV)
-        fields["timeout"] = parse_timeout(environ.get(TIMEOUT_ENV), TIMEOUT_ENV)
-        value = environ.get(AGREEMENT_ENV, "").strip()
-        if value:
-            fields["check_agreement"] = parse_bool(value, AGREEMENT_ENV)
-        value = environ.get(WINDOW_ENV, "").strip()
-        if value:
-            fields["window"] = parse_window(value, WINDOW_ENV)
-        value = environ.get(ORDER_ENV, "").strip()
-        if value:
-            fields["order"] = parse_order(value, ORDER_ENV)
-        value = environ.get(VERIFY_ORDER_ENV, "").strip()
-        if value:
-            fields["verify_order"] = parse_bool(value, VERIFY_ORDER_ENV)
-        value = environ.get(ALLREDUCE_ENV, "").strip()
-        if value:
-            fields["allreduce"] = parse_allreduce(value, ALLREDUCE_ENV)
+        for field, name, parse in _ENV_FIELDS:
+            value = environ.get(name, "").strip()
+            if value:
+                fields[field] = parse(value, name)
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
