@@ -81,7 +81,12 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
                           f"would pass; at most about {_max_acc_steps(acc, red, n_red)} "
                           f"micro-steps at {nranks} rank(s))")
     rel = theta / (1 - theta)
-    absolute = n_acc * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
+    # a half-precision average may be pre-scaled on every rank (scale_after_comm=False): one
+    # rounding per rank's term (one factor of theta), but where the scaled grads are
+    # subnormal each is an absolute error of its own, R of them that add up (found by a
+    # red-team review: eta counted one, and a correct result failed at 5+ ranks)
+    n_under = n_acc + (nranks - 1 if (average and half) else 0)
+    absolute = n_under * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
     formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta, theta = {n_acc}*u({acc}) + "
                f"{n_red}*u({red}) = {theta:.3g}, c = {'1/' + str(nranks) if average else '1'}")
     return BoundModel(rel, absolute, formula)
@@ -99,7 +104,8 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
         theta = n_acc * u(grad dtype) + n_red * u(reduce dtype)
         n_acc = (K - 1) + [grad dtype is half] + [average and half]
         n_red = (R - 1) + 2 * [average]
-        eta   = n_acc * underflow(grad dtype) + n_red * underflow(reduce dtype)
+        eta   = (n_acc + [average and half] * (R - 1)) * underflow(grad dtype)
+                + n_red * underflow(reduce dtype)
 
     Each rounding contributes a factor ``(1 + d)`` with ``|d| <= u``, and every partial sum is
     bounded by ``c * abs_sum``; ``theta/(1-theta)`` bounds their product (Higham, Lemma 3.1).
