@@ -60,9 +60,10 @@ class BoundModel:
 THETA_MAX = 0.5
 
 
-def _max_acc_steps(acc: str, red: str, n_red: int) -> int:
+def _max_acc_steps(acc: str, red: str, n_red: int, nranks: int) -> int:
     """The most micro-steps whose bound still has theta < THETA_MAX (for the message)."""
-    return max(0, int((THETA_MAX - n_red * _UNIT_ROUNDOFF[red]) / _UNIT_ROUNDOFF[acc]))
+    per_step = _UNIT_ROUNDOFF[acc] + nranks * _UNIT_ROUNDOFF["float64"]
+    return max(0, int((THETA_MAX - n_red * _UNIT_ROUNDOFF[red]) / per_step))
 
 
 def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool) -> BoundModel:
@@ -73,12 +74,17 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     half = acc in ("float16", "bfloat16")
     n_acc = (acc_steps - 1) + (1 if half else 0) + (1 if (average and half) else 0)
     n_red = (nranks - 1) + (2 if average else 0)
-    theta = n_acc * u_acc + n_red * u_red
+    # the float64 reference is a float64 sum too (R*K - 1 additions, and a division or a
+    # multiplication by fl(1/R) for a mean): its roundings are as large as a float64
+    # implementation's own, so they are part of |out - ref| (found by a red-team review: a
+    # correct float64 sum in another rank order failed at 1.33x the bound at 4 ranks)
+    n_ref = (nranks * acc_steps - 1) + (2 if average else 0)
+    theta = n_acc * u_acc + n_red * u_red + n_ref * _UNIT_ROUNDOFF["float64"]
     if theta >= THETA_MAX:  # an OptionError: a ValueError too, and one line for the CLI
         raise OptionError(f"acc_steps {acc_steps}, nranks {nranks}: too many roundings to "
                           f"check ({n_acc} in {acc} and {n_red} in {red}: theta={theta:g} >= "
                           f"{THETA_MAX}, a bound at least the size of the result, so even 0 "
-                          f"would pass; at most about {_max_acc_steps(acc, red, n_red)} "
+                          f"would pass; at most about {_max_acc_steps(acc, red, n_red, nranks)} "
                           f"micro-steps at {nranks} rank(s))")
     rel = theta / (1 - theta)
     # a half-precision average may be pre-scaled on every rank (scale_after_comm=False): one
@@ -86,9 +92,11 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     # subnormal each is an absolute error of its own, R of them that add up (found by a
     # red-team review: eta counted one, and a correct result failed at 5+ ranks)
     n_under = n_acc + (nranks - 1 if (average and half) else 0)
-    absolute = n_under * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
+    absolute = (n_under * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
+                + n_ref * _UNDERFLOW["float64"])
     formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta, theta = {n_acc}*u({acc}) + "
-               f"{n_red}*u({red}) = {theta:.3g}, c = {'1/' + str(nranks) if average else '1'}")
+               f"{n_red}*u({red}) + {n_ref}*u(float64) = {theta:.3g}, "
+               f"c = {'1/' + str(nranks) if average else '1'}")
     return BoundModel(rel, absolute, formula)
 
 
@@ -101,11 +109,12 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     ``c = 1/R`` for an average (1 for a sum) the bound is::
 
         c * abs_sum * theta / (1 - theta) + eta
-        theta = n_acc * u(grad dtype) + n_red * u(reduce dtype)
+        theta = n_acc * u(grad dtype) + n_red * u(reduce dtype) + n_ref * u(float64)
         n_acc = (K - 1) + [grad dtype is half] + [average and half]
         n_red = (R - 1) + 2 * [average]
+        n_ref = (R * K - 1) + 2 * [average]    (the float64 reference's own roundings)
         eta   = (n_acc + [average and half] * (R - 1)) * underflow(grad dtype)
-                + n_red * underflow(reduce dtype)
+                + n_red * underflow(reduce dtype) + n_ref * underflow(float64)
 
     Each rounding contributes a factor ``(1 + d)`` with ``|d| <= u``, and every partial sum is
     bounded by ``c * abs_sum``; ``theta/(1-theta)`` bounds their product (Higham, Lemma 3.1).

@@ -41,3 +41,45 @@ def test_prescaled_half_average_in_the_subnormal_range_passes(dtype, nranks):
     # still the bound of a few roundings: one subnormal step more on every element fails
     worse = (out.astype(np.float32) + np.float32(nranks * tiny)).astype(half)
     assert not check(spec, [{"in/w/0": raw(x), "out/w": raw(worse)} for x in xs]).ok
+
+
+# -- the float64 reference rounds too ------------------------------------------------------
+
+def _sequential(values, order):
+    s = 0.0
+    for i in order:
+        s = s + values[i]
+    return s
+
+
+def test_float64_sum_in_another_rank_order_passes():
+    """For float64 grads the reference (a float64 sum in rank order) rounds as often as the
+    implementation does: a correct sum in another order was up to 1.33x the bound at 4
+    ranks. The bound now counts the reference's own roundings."""
+    x = [2.0 ** -53, 2.0 ** -52, 1.0, -float.fromhex("0x1.ffffffffffff8p-54")]
+    out = _sequential(x, (0, 2, 3, 1))  # an MPI library's order
+    report = check(spec_of("float64", 4, shape=(1,)),
+                   [{"in/w/0": np.array([v]), "out/w": np.array([out])} for v in x])
+    assert report.ok, report
+    # every permutation of a 4-rank sum, on values built to round both ways
+    rng = np.random.default_rng(7)
+    import itertools
+
+    for _ in range(200):
+        v = [1.0] + [float(rng.choice([-1, 1]) * 2.0 ** -53 * rng.choice([1, 2, 3])
+                           * (1 + int(rng.integers(-3, 4)) * 2.0 ** -50)) for _ in range(3)]
+        rng.shuffle(v)
+        for avg in (False, True):
+            spec = spec_of("float64", 4, shape=(1,), average=avg)
+            for order in itertools.permutations(range(4)):
+                out = _sequential(v, order) * (0.25 if avg else 1.0)
+                recs = [{"in/w/0": np.array([a]), "out/w": np.array([out])} for a in v]
+                assert check(spec, recs).ok, (v, order, avg)
+
+
+def test_one_rank_one_step_sum_is_still_bit_exact():
+    assert error_bound(np.array([1.0]), grad_dtype="float64", nranks=1, acc_steps=1,
+                       average=False)[0] == 0.0
+    x = np.array([0.1, 0.2])
+    assert not check(spec_of("float64", 1, shape=(2,)),
+                     [{"in/w/0": x, "out/w": np.nextafter(x, 1)}]).ok
