@@ -514,9 +514,15 @@ def _check_aliasing(labels: list, files: list) -> None:
         if not isinstance(f, _MemoryDump):
             continue
         for key in f.files:
-            value = f._arrays[key]
-            if not isinstance(value, np.ndarray):
-                continue  # framework tensors are read when checked
+            if not key.startswith(_PREFIXES_SLASH):
+                continue  # the dumper's own keys: never read
+            # as numpy reads it: a torch tensor, a memoryview or any other array-like may
+            # share the result's memory as well (found by a red-team review: only ndarrays
+            # were looked at, and an in-place sum-instead-of-mean passed with torch tensors)
+            try:
+                value = f[key]
+            except DumpError:
+                continue  # not an array: refused where it is read (or not checked)
             (inputs if key.startswith("in/") else results).append((lab, key, value))
     for (lab, key, x), (olab, okey, y) in _overlapping(inputs, results):
         if _shares(x, y):
@@ -560,6 +566,7 @@ def _shares(x: np.ndarray, y: np.ndarray) -> bool:
 
 #: key prefixes of the dump format; keys under other prefixes are the dumper's own
 _PREFIXES = ("in", "out", "range", "shard", "param")
+_PREFIXES_SLASH = tuple(f"{p}/" for p in _PREFIXES)
 
 
 def _check_keys(spec: Any, acc: int, labels: list, keys: list) -> None:

@@ -83,3 +83,41 @@ def test_one_rank_one_step_sum_is_still_bit_exact():
     x = np.array([0.1, 0.2])
     assert not check(spec_of("float64", 1, shape=(2,)),
                      [{"in/w/0": x, "out/w": np.nextafter(x, 1)}]).ok
+
+
+# -- inputs sharing memory with a result, through a framework tensor -----------------------
+
+def test_memoryview_inputs_sharing_memory_with_a_result_are_refused():
+    """The aliasing refusal looked at numpy arrays only: an input handed over as any other
+    array-like sharing the result's memory (here a memoryview; a torch tensor below) was
+    read after the in-place collective had overwritten it, and a sum-instead-of-mean
+    passed."""
+    grads = [np.array([1.0, 2, 3], np.float32), np.array([5.0, 6, 7], np.float32)]
+    recs = [{"in/w/0": memoryview(g), "out/w": g} for g in grads]
+    for g in grads:
+        g[:] = [6, 8, 10]  # summed, not averaged
+    with pytest.raises(DumpError, match=r"in/w/0: shares memory with out/w"):
+        check(spec_of(average=True), recs)
+
+
+def test_torch_tensor_inputs_sharing_memory_with_a_result_are_refused():
+    torch = pytest.importorskip("torch")
+    grads = [torch.tensor([1.0, 2, 3]), torch.tensor([5.0, 6, 7])]
+    recs = [{"in/w/0": g, "out/w": g} for g in grads]
+    for g in grads:  # an in-place all-reduce that summed instead of averaging
+        g[:] = torch.tensor([6.0, 8, 10])
+    with pytest.raises(DumpError, match=r"in/w/0: shares memory with out/w"):
+        check(spec_of(average=True), recs)
+    # numpy input, torch result of the same memory
+    arrays = [np.array([1.0, 2, 3], np.float32), np.array([5.0, 6, 7], np.float32)]
+    recs = [{"in/w/0": a, "out/w": torch.from_numpy(a)} for a in arrays]
+    for a in arrays:
+        a[:] = [6, 8, 10]
+    with pytest.raises(DumpError, match="shares memory"):
+        check(spec_of(average=True), recs)
+    # copies pass (and a wrong mean still fails)
+    xs = [torch.tensor([1.0, 2, 3]), torch.tensor([5.0, 6, 7])]
+    good = [{"in/w/0": x.clone(), "out/w": (xs[0] + xs[1]) / 2} for x in xs]
+    assert check(spec_of(average=True), good).ok
+    bad = [{"in/w/0": x.clone(), "out/w": xs[0] + xs[1]} for x in xs]
+    assert not check(spec_of(average=True), bad).ok
