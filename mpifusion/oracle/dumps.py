@@ -47,7 +47,9 @@ def _rank_files(directory: str, nranks: int) -> list:
         names = os.listdir(directory)
     except OSError as exc:
         raise DumpError(f"{directory}: cannot list: {exc.strerror or exc}") from None
-    ranks = {int(f[4:-4]) for f in names if re.fullmatch(r"rank(0|[1-9]\d{0,8})\.npz", f)}
+    # ASCII digits: \d takes any Unicode digit, and int() reads 'rank1\u0663.npz' as rank 13
+    ranks = {int(f[4:-4]) for f in names
+             if re.fullmatch(r"rank(0|[1-9][0-9]{0,8})\.npz", f, flags=re.ASCII)}
     present = sorted(r for r in ranks if r < nranks)
     if len(present) < nranks:
         missing = next(r for r, have in enumerate(present + [nranks]) if r != have)

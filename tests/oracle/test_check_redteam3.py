@@ -121,3 +121,35 @@ def test_torch_tensor_inputs_sharing_memory_with_a_result_are_refused():
     assert check(spec_of(average=True), good).ok
     bad = [{"in/w/0": x.clone(), "out/w": xs[0] + xs[1]} for x in xs]
     assert not check(spec_of(average=True), bad).ok
+
+
+# -- micro-step keys with non-ASCII digits -------------------------------------------------
+
+@pytest.mark.parametrize("k", ["\u00b2", "1" * 5000])
+def test_a_micro_step_key_of_odd_digits_is_one_line(tmp_path, capsys, k):
+    """``in/w/²`` ('²'.isdigit() is True, int('²') raises) and a 5000-digit micro-step
+    (int() refuses more than 4300 digits) crashed the check with a ValueError traceback,
+    exit 1 (the FAIL code), instead of bad input (exit 2, one line)."""
+    from mpifusion.tools.cli import main
+
+    x = np.ones(3, np.float32)
+    recs = [{"in/w/0": x, f"in/w/{k}": x, "out/w": 2 * x}] * 2
+    with pytest.raises(DumpError, match=r"in/w/.*micro-step"):
+        check(spec_of(), recs)
+    for r in range(2):
+        np.savez(tmp_path / f"rank{r}.npz", **recs[r])
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(spec_of()))
+    assert main(["check", "--spec", str(spec), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "micro-step" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_rank_file_named_with_non_ascii_digits_is_not_a_rank(tmp_path):
+    """``rank1\u0663.npz`` matched the rank pattern (``\\d`` takes any Unicode digit) and was
+    read as rank 13: the error named a file ``rank13.npz`` that does not exist."""
+    x = np.ones(3, np.float32)
+    for r in range(2):
+        np.savez(tmp_path / f"rank{r}.npz", **{"in/w/0": x, "out/w": 2 * x})
+    np.savez(tmp_path / "rank1\u0663.npz", **{"in/w/0": x, "out/w": 2 * x})
+    assert check(spec_of(), str(tmp_path)).ok  # not a rank file: ignored like notes.txt
