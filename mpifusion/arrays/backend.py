@@ -87,9 +87,42 @@ def asarray(obj: Any, resolve_lazy: bool = True) -> Any:
     :func:`lazy_bits`), whose memory is not its value. With ``resolve_lazy`` (for a value
     read once, such as a grad handed to ``add_grad``) it is resolved into a copy first;
     without (an array that must stay shared, such as a ``Param``'s) it is a ``TypeError``.
+
+    Whatever cannot be imported is a ``TypeError``, with the producer's own words: a numpy
+    masked array (its masked elements have no value, yet arithmetic on its memory would use
+    them), and any failure of a producer's export (a ragged list, a ``__dlpack__`` raising
+    ``ValueError``/``KeyError`` or returning no capsule), which would otherwise escape as
+    whatever the producer raised.
     """
     if isinstance(obj, np.ndarray) or is_cupy(obj):
+        if isinstance(obj, np.ma.MaskedArray):
+            raise TypeError("a numpy masked array was given: its masked elements have no "
+                            "value, but its memory would be used as it is; expected a plain "
+                            "array (.filled(0) gives one with zeros under the mask)")
         return obj
+    try:
+        return _import(obj, resolve_lazy)
+    except TypeError:
+        raise
+    except Exception as exc:  # the producer's own error, of any type
+        words = (str(exc) if isinstance(exc, (BufferError, RuntimeError, ValueError))
+                 else f"{type(exc).__name__}: {exc}")
+        raise TypeError(f"could not import a {type(obj).__name__}: {words}") from None
+
+
+def shared_array(obj: Any) -> Any:
+    """The ndarray sharing memory with ``obj`` (see :func:`asarray`), or None when ``obj``
+    cannot be shared (None, not an array, a tensor with a lazy bit, a failing producer):
+    to ask whether an object someone set (a param's grad) is a view of a buffer."""
+    if obj is None:
+        return None
+    try:
+        return asarray(obj, resolve_lazy=False)
+    except TypeError:
+        return None
+
+
+def _import(obj: Any, resolve_lazy: bool) -> Any:
     lazy = lazy_bits(obj)
     if lazy is not None:
         if not resolve_lazy:
@@ -262,6 +295,19 @@ def data_ptr(arr: Any) -> int:
     if is_cupy(arr):
         return int(arr.data.ptr)
     return int(arr.__array_interface__["data"][0])
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether two arrays are the same view of the same memory: address, shape, dtype, and
+    strides wherever they matter (a dimension of size 1 has none that do; frameworks set
+    them freely). The address alone is not: a transposed, reshaped or reinterpreted view
+    starts there too."""
+    if a is b:
+        return True
+    if (data_ptr(a) != data_ptr(b) or tuple(a.shape) != tuple(b.shape)
+            or a.dtype != b.dtype):
+        return False
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.strides, b.strides))
 
 
 def to_host(arr: Any) -> np.ndarray:

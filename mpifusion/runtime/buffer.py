@@ -47,7 +47,8 @@ from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
 from .checkin import CheckIn
-from .options import BufferOptions, check_buffer_id, check_comm_group, dst_group_rank
+from .options import (BufferOptions, check_buffer_id, check_comm_group, check_switch,
+                      dst_group_rank)
 from .param import Param
 from .sharded import ShardedParams
 from .storage import (build_reduce_scatter_buffer, check_has_data, check_trainable,
@@ -375,6 +376,8 @@ class FusedCommBuffer(ShardedParams):
 
         ``grad`` (any DLPack tensor) is accumulated into the param's grad view first, as a
         backward pass would; without it, whatever backward wrote into the view is used.
+        ``use_comm`` is True or False (Paddle's second argument; anything else, such as a
+        grad passed positionally, is an ``OptionError``).
         Safe from several threads (one at a time: the buffer's lock).
         """
         with self._lock:  # spelled out, not @_locked: this is the hot path
@@ -383,8 +386,10 @@ class FusedCommBuffer(ShardedParams):
     def _add_grad(self, param: Param, use_comm: bool, grad: Any) -> None:
         if self._closed:
             self._refuse_closed("add_grad")
+        steps = self._checkin.steps_of(param)  # first: anything but a param of this buffer
         name = param.name
-        steps = self._checkin.steps_of(param)
+        if use_comm is not True and use_comm is not False:
+            self._check_use_comm(use_comm, f"param '{name}': add_grad")
         if steps >= self._acc_steps:
             raise GradError(f"{self._where()}: param '{name}': already checked in "
                             f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
@@ -399,9 +404,10 @@ class FusedCommBuffer(ShardedParams):
             if self._check_startable("add_grad") and self._naninf_check:
                 undo = _Undo(self, (param,))  # a NaN/Inf found then puts this call back
         if steps or not self._release_grads:
-            view = param.main_grad if self.use_main_grad else param.grad
-            if view is not self._grad_view[name]:
-                self._check_grad_moved(param, view)
+            view = self._grad_view[name]  # accumulated into, whatever object is set
+            given = grad_of(param, self.use_main_grad)
+            if given is not view:
+                self._check_grad_moved(param, given)
             if view is None:
                 raise GradError(f"{self._where()}: param '{name}': no grad buffer to accumulate "
                                 f"into (cleared by clear_grad_storage); expected "
@@ -409,8 +415,7 @@ class FusedCommBuffer(ShardedParams):
             if grad is not None:
                 view += grad
         else:
-            self._check_own_grad(param)
-            self._copy_grad_to_buffer(param, grad)
+            self._copy_grad_to_buffer(param, grad)  # checks the param's own grad first
         done = self._checkin.add(name)
         if self._comm is not None:
             self._comm.poll()
@@ -426,6 +431,16 @@ class FusedCommBuffer(ShardedParams):
             if undo is not None and self._task is None:
                 undo.restore(self)
             raise
+
+    def _check_use_comm(self, value: Any, what: str) -> None:
+        """use_comm is a bool (the one switch rule): add_grad(p, g) made the grad use_comm --
+        a one-element grad was dropped (truthy), a zero one left comm unstarted on this rank
+        only (falsy), and "False" started it."""
+        try:
+            check_switch(value, f"{self._where()}: {what}: use_comm")
+        except OptionError as exc:
+            raise OptionError(f"{exc} (a grad is passed by keyword: add_grad(param, grad=g)); "
+                              f"nothing was changed") from None
 
     def _refuse_closed(self, what: str) -> None:
         raise StateError(f"{self._where()}: {what}: the buffer was closed (close()); expected "
@@ -458,6 +473,8 @@ class FusedCommBuffer(ShardedParams):
         """
         if self._closed:
             self._refuse_closed("mark_unused")
+        if use_comm is not True and use_comm is not False:
+            self._check_use_comm(use_comm, "mark_unused")
         names = []
         for param in params:
             name = getattr(param, "name", None)
@@ -470,7 +487,7 @@ class FusedCommBuffer(ShardedParams):
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' given twice; "
                                 f"expected each param once")
             if self._release_grads and steps == 0:
-                self._check_own_grad(param)
+                self._own_grad(param)
             names.append(name)
         if self.grad_storage is None and not self._release_grads:
             raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
@@ -541,11 +558,12 @@ class FusedCommBuffer(ShardedParams):
         added again. One that overlaps the grad buffer any other way is refused."""
         lo = backend.data_ptr(grad)
         hi = lo + grad.nbytes
-        for own in (self._grad_view.get(param.name), grad_of(param, self.use_main_grad)):
+        for own in (self._grad_view.get(param.name),
+                    backend.shared_array(grad_of(param, self.use_main_grad))):
             if own is None:
                 continue
             start = backend.data_ptr(own)
-            if start == lo and own.nbytes == grad.nbytes and own.strides == grad.strides:
+            if backend.same_view(own, grad):
                 return None
             if start < hi and lo < start + own.nbytes:
                 raise GradError(f"{self._where()}: param '{param.name}': grad overlaps part of "
@@ -563,7 +581,7 @@ class FusedCommBuffer(ShardedParams):
     def _check_grad(self, param: Param, grad: Any) -> Any:
         try:
             g = backend.asarray(grad)
-        except (TypeError, BufferError, RuntimeError) as exc:
+        except TypeError as exc:  # asarray's one way to say it cannot import grad
             raise GradError(f"{self._where()}: param '{param.name}': grad: {exc}") from None
         if tuple(g.shape) != param.shape:
             raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
@@ -576,23 +594,35 @@ class FusedCommBuffer(ShardedParams):
                             f"{param.device}, got {backend.device_of(g)}")
         return g
 
-    def _check_grad_moved(self, param: Param, view: Any) -> None:
-        """Raise if ``view`` (the param's grad now) is not at the address it was fused at."""
-        if backend.data_ptr(view) != backend.data_ptr(self._grad_view[param.name]):
+    def _check_grad_moved(self, param: Param, given: Any) -> None:
+        """Raise unless ``given`` (the param's grad now, another object than the view it was
+        fused with) is that same view: same address, shape, dtype and strides (a torch
+        tensor over it is; a transposed or reshaped view at the same address is not)."""
+        fused = self._grad_view[param.name]
+        kind = "main_grad" if self.use_main_grad else "grad"
+        arr = backend.shared_array(given)
+        if arr is None or fused is None or backend.data_ptr(arr) != backend.data_ptr(fused):
             raise GradError(
-                f"{self._where()}: param '{param.name}': the address of its "
-                f"{'main_grad' if self.use_main_grad else 'grad'} changed since it was fused "
-                f"(expected the view into the grad buffer). Accumulate in place "
-                f"(g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+                f"{self._where()}: param '{param.name}': the address of its {kind} changed "
+                f"since it was fused (expected the view into the grad buffer). Accumulate in "
+                f"place (g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
+        if not backend.same_view(arr, fused):
+            raise GradError(
+                f"{self._where()}: param '{param.name}': its {kind} is at the address of its "
+                f"view but is not the view (shape {tuple(arr.shape)}, dtype {arr.dtype}, "
+                f"strides {arr.strides}; expected shape {tuple(fused.shape)}, dtype "
+                f"{fused.dtype}, strides {fused.strides}). Accumulate into the view itself "
+                f"(g[...] = x) instead of rebinding it to another view")
 
-    def _check_own_grad(self, param: Param) -> None:
-        """release_grads: the param's own grad must fit its slot before anything is moved."""
+    def _own_grad(self, param: Param) -> Any:
+        """release_grads: the param's own grad as an array, checked to fit its slot (before
+        anything is moved); a torch tensor with a lazy bit is resolved (read once)."""
         own = grad_of(param, self.use_main_grad)
-        if own is not None:
-            self._check_grad(param, own)
+        return None if own is None else self._check_grad(param, own)
 
     def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
         """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
+        own = self._own_grad(param)  # before anything is allocated or moved
         if self.grad_storage is None or self._grads_are_shard:
             # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
             self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, self._like)
@@ -603,7 +633,6 @@ class FusedCommBuffer(ShardedParams):
                 self.grad_storage, link_param=False)
         else:
             view = slot_view(self.grad_storage, self.layout[param.name])
-        own = grad_of(param, self.use_main_grad)
         # a grad still viewing this very slot (grad buffer kept from the last step) is
         # already in it: adding it again would count it twice
         if own is not None and backend.data_ptr(own) != backend.data_ptr(view):
@@ -682,7 +711,7 @@ class FusedCommBuffer(ShardedParams):
             return
         counts = []
         for p in self._params:
-            g = grad_of(p, self.use_main_grad)
+            g = backend.shared_array(grad_of(p, self.use_main_grad))  # a torch view too
             if g is not None:
                 c = backend.nonfinite_count(g)
                 if c:
@@ -745,8 +774,9 @@ class FusedCommBuffer(ShardedParams):
                 f"step). Nothing was changed")
         self.grad_storage = None
         for p in self._params:
-            g = grad_of(p, self.use_main_grad)
-            if g is not None and backend.data_ptr(g) == backend.data_ptr(self._grad_view[p.name]):
+            g = backend.shared_array(grad_of(p, self.use_main_grad))  # a torch view too
+            view = self._grad_view[p.name]
+            if g is not None and view is not None and backend.data_ptr(g) == backend.data_ptr(view):
                 set_grad(p, self.use_main_grad, None)
             self._grad_view[p.name] = None
         for view in self._sharding_param_grad_view.values():
