@@ -153,3 +153,37 @@ def test_a_rank_file_named_with_non_ascii_digits_is_not_a_rank(tmp_path):
         np.savez(tmp_path / f"rank{r}.npz", **{"in/w/0": x, "out/w": 2 * x})
     np.savez(tmp_path / "rank1\u0663.npz", **{"in/w/0": x, "out/w": 2 * x})
     assert check(spec_of(), str(tmp_path)).ok  # not a rank file: ignored like notes.txt
+
+
+# -- shards with no element of the param ---------------------------------------------------
+
+@pytest.mark.parametrize("act", ["all_reduce", "reduce_scatter"])
+def test_an_empty_param_gather_is_not_called_missing(act):
+    """A 0-element param's shards (shape (0,), range [0, 0)) were given on every rank, but
+    the check said 'shard/e: missing on every rank' and refused a correct dump."""
+    spec = {"params": [{"name": "e", "shape": [0], "dtype": "float32"},
+                       {"name": "w", "shape": [4], "dtype": "float32"}], "nranks": 2, "act": act}
+    full = np.arange(4, dtype=np.float32)
+    recs = [{"shard/e": np.zeros(0, np.float32), "param/e": np.zeros(0, np.float32),
+             "range/e": np.array([0, 0]), "shard/w": full[2 * r:2 * r + 2], "param/w": full,
+             "range/w": np.array([2 * r, 2 * r + 2])} for r in range(2)]
+    report = check(spec, recs)
+    assert report.ok, report
+    # the real param is still checked
+    recs[1]["param/w"] = full[::-1].copy()
+    assert not check(spec, recs).ok
+
+
+def test_shards_that_hold_only_padding_are_a_gap_not_missing():
+    """Paddle's cut of a 3-element fp32 param over 2 ranks gives rank 1 only padding; a dump
+    of rank 1's shard alone was refused as 'missing on every rank' (it is there, and holds
+    none of the param: a gap)."""
+    spec = {"params": [{"name": "w", "shape": [3], "dtype": "float32"}], "nranks": 2,
+            "act": "reduce_scatter"}
+    from mpifusion.spec import Spec
+
+    lay = {p.name: b.layout for b in Spec.from_dict(spec).plan(2) for p in b.params}["w"]
+    lo, hi = lay.slice_of("w", 1)
+    recs = [{}, {"shard/w": np.zeros(hi - lo, np.float32), "param/w": np.ones(3, np.float32)}]
+    report = check(spec, recs)
+    assert not report.ok and any(c.kind == "gap" for c in report.coverage), report
