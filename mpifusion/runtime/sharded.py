@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..arrays import backend
 from ..comm import CommTask
-from ..errors import CommError, GradError, LayoutError, StateError
+from ..errors import CommError, LayoutError, StateError
 from ..plan.actions import HookAction
 from .param import Param
 
@@ -33,10 +33,8 @@ class ShardedParams:
     def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
         """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
         self._require_sharded("assign_slice_grad")
-        view = self._sharding_param_grad_view.get(param.name)
-        if view is None:
-            raise GradError(f"{self._where()}: param '{param.name}': not a param of this buffer")
-        view.assign_slice_grad(slice_param)
+        self._checkin.steps_of(param)  # GradError unless one of this buffer's Param objects
+        self._sharding_param_grad_view[param.name].assign_slice_grad(slice_param)
 
     def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
         """All-gather every rank's shard of the param buffer back into the full buffer.

@@ -222,3 +222,18 @@ def test_naninf_error_counts_a_grad_that_is_a_torch_view_of_its_slot():
     with pytest.raises(NanInfError, match=r"w0 \(2 of 4\)"):  # was a raw TypeError
         buf.add_grad(ps[0], grad=np.array([1, np.nan, np.inf, 1], np.float32))
     assert_unchanged(before, buf, ps)
+
+
+def test_assign_slice_grad_of_something_not_a_param_of_the_buffer_is_refused():
+    """A str raised AttributeError; another Param of the same name was taken for the
+    buffer's (the membership test was by name only; add_grad's is by object)."""
+    p = Param("w", np.zeros(4, np.float32))
+    buf = FusedCommBuffer(0, [p], SELF, act="reduce_scatter")
+    for foreign in ("w", Param("w", np.zeros(4, np.float32))):
+        s = Param("s", np.zeros(64, np.float32))
+        with pytest.raises(GradError, match=r"^rank 0: buffer 0: param '(None|w)': not a param "
+                                            r"of this buffer"):
+            buf.assign_slice_grad(foreign, s)
+        assert s.grad is None and s.data.shape == (64,)
+    buf.assign_slice_grad(p, s)
+    assert s.data.shape == (64,) and np.shares_memory(s.grad, buf.grad_storage)
