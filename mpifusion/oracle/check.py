@@ -497,6 +497,13 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
         report.notes.append(f"not checked: {len(unfused)} key(s) of params the spec does not "
                             f"fuse (stop_gradient or trainable false): "
                             f"{', '.join(unfused[:6])}{' ...' if len(unfused) > 6 else ''}")
+    if not has_inputs:  # an all-gather-only dump: results there is no reference for
+        outs = sorted({key for ks in keys for key in ks if key.startswith("out/")
+                       and _key_param(key) in {p.name for p in fused}})
+        if outs:
+            report.notes.append(f"not checked: {len(outs)} out/ key(s), since the dump holds "
+                                f"no in/{{name}}/{{k}} inputs to compute the reference from: "
+                                f"{', '.join(outs[:6])}{' ...' if len(outs) > 6 else ''}")
     return report
 
 

@@ -187,3 +187,20 @@ def test_shards_that_hold_only_padding_are_a_gap_not_missing():
     recs = [{}, {"shard/w": np.zeros(hi - lo, np.float32), "param/w": np.ones(3, np.float32)}]
     report = check(spec, recs)
     assert not report.ok and any(c.kind == "gap" for c in report.coverage), report
+
+
+# -- results that nothing checks ------------------------------------------------------------
+
+def test_out_keys_of_a_dump_without_inputs_are_noted_as_not_checked(tmp_path, capsys):
+    """A dump with out/, shard/ and param/ but no in/ (a dumper that forgot the inputs):
+    the gather was checked and the report said 'PASS: 1 gathered params exact', with no word
+    that out/w (here garbage) was never compared: without inputs there is no reference."""
+    spec = {"params": [{"name": "w", "shape": [4], "dtype": "float32"}], "nranks": 2}
+    full = np.arange(4, dtype=np.float32)
+    recs = [{"out/w": np.full(4, 123.0, np.float32), "shard/w": full[2 * r:2 * r + 2],
+             "range/w": np.array([2 * r, 2 * r + 2]), "param/w": full} for r in range(2)]
+    report = check(spec, recs)
+    assert report.ok  # the all-gather is right
+    assert any("out/w" in n and "not checked" in n and "in/" in n for n in report.notes), \
+        report.notes
+    assert "note: not checked" in str(report)
