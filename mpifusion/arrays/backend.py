@@ -297,6 +297,27 @@ def data_ptr(arr: Any) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
+def byte_span(arr: Any) -> tuple:
+    """``[low, high)``: the bytes an array's elements occupy. Not ``data_ptr + nbytes``:
+    a view with negative strides lies below its first element, a gapped one beyond."""
+    low = high = data_ptr(arr)
+    if arr.size == 0:
+        return low, low
+    for n, stride in zip(arr.shape, arr.strides):
+        if stride < 0:
+            low += (n - 1) * stride
+        else:
+            high += (n - 1) * stride
+    return low, high + arr.dtype.itemsize
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether two arrays' byte spans meet (they may share memory)."""
+    a0, a1 = byte_span(a)
+    b0, b1 = byte_span(b)
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1
+
+
 def same_view(a: Any, b: Any) -> bool:
     """Whether two arrays are the same view of the same memory: address, shape, dtype, and
     strides wherever they matter (a dimension of size 1 has none that do; frameworks set

@@ -221,7 +221,7 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
         return
     if send.dtype not in HALF and seg >= send.size:
         # one call, zero-copy; MPI forbids aliasing, so an in-place shard lands via a copy
-        direct = recv if not _overlaps(send, recv) else backend.empty(shard, recv.dtype, recv)
+        direct = recv if not backend.overlaps(send, recv) else backend.empty(shard, recv.dtype, recv)
         yield ("Reduce_scatter_block", (_spec(send), _spec(direct)), {"op": MPI.SUM})
         if scale is not None:
             backend.scale_(direct, scale)
@@ -294,7 +294,4 @@ def barrier_steps() -> Steps:
     yield ("Barrier", (), {})
 
 
-def _overlaps(a: Any, b: Any) -> bool:
-    a0, b0 = backend.data_ptr(a), backend.data_ptr(b)
-    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 

@@ -556,26 +556,21 @@ class FusedCommBuffer(ShardedParams):
         """A grad that *is* the param's own grad view (``add_grad(p, grad=p.grad)`` after
         backward wrote into it) is already in place: None, so it is checked in without being
         added again. One that overlaps the grad buffer any other way is refused."""
-        lo = backend.data_ptr(grad)
-        hi = lo + grad.nbytes
         for own in (self._grad_view.get(param.name),
                     backend.shared_array(grad_of(param, self.use_main_grad))):
             if own is None:
                 continue
-            start = backend.data_ptr(own)
             if backend.same_view(own, grad):
                 return None
-            if start < hi and lo < start + own.nbytes:
+            if backend.overlaps(grad, own):
                 raise GradError(f"{self._where()}: param '{param.name}': grad overlaps part of "
                                 f"its own grad view; expected the view itself (already in "
                                 f"place) or a separate array")
         storage = self.grad_storage
-        if storage is not None and grad.nbytes:
-            start = backend.data_ptr(storage)
-            if start < hi and lo < start + storage.nbytes:
-                raise GradError(f"{self._where()}: param '{param.name}': grad lies in this "
-                                f"buffer's grad storage outside the param's own slot (another "
-                                f"param's grad?); expected a separate array")
+        if storage is not None and backend.overlaps(grad, storage):
+            raise GradError(f"{self._where()}: param '{param.name}': grad lies in this "
+                            f"buffer's grad storage outside the param's own slot (another "
+                            f"param's grad?); expected a separate array")
         return grad
 
     def _check_grad(self, param: Param, grad: Any) -> Any:

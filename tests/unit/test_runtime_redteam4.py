@@ -237,3 +237,61 @@ def test_assign_slice_grad_of_something_not_a_param_of_the_buffer_is_refused():
         assert s.grad is None and s.data.shape == (64,)
     buf.assign_slice_grad(p, s)
     assert s.data.shape == (64,) and np.shares_memory(s.grad, buf.grad_storage)
+
+
+# --------------------------------------------------------------------------- byte spans
+
+
+def test_byte_span_is_numpys_byte_bounds_for_any_view():
+    """The overlap rule's memory span of a view (negative, gapped, zero strides; empty):
+    numpy's own byte_bounds is the independent reference. data_ptr + nbytes, as before,
+    is wrong for every reversed or gapped view."""
+    from numpy.lib.array_utils import byte_bounds
+
+    from mpifusion.arrays import backend
+
+    rng = np.random.default_rng(7)
+    base = np.zeros((6, 7, 5), np.float32)
+    wrong = 0
+    for _ in range(500):
+        view = base
+        for axis in range(3):
+            n = view.shape[axis]
+            start, stop = sorted(rng.integers(0, n + 1, size=2))
+            step = int(rng.choice([1, 2, 3, -1, -2]))
+            index = [slice(None)] * view.ndim
+            index[axis] = slice(start, stop, step) if step > 0 else slice(stop, start, step)
+            view = view[tuple(index)]
+        if rng.random() < 0.3:
+            view = view.transpose(tuple(rng.permutation(3)))
+        if view.size == 0:
+            assert backend.byte_span(view)[0] == backend.byte_span(view)[1]
+            continue
+        assert backend.byte_span(view) == byte_bounds(view), (view.shape, view.strides)
+        lo = backend.data_ptr(view)
+        wrong += (lo, lo + view.nbytes) != byte_bounds(view)
+    assert wrong > 100  # the sampling does reach views the old rule got wrong
+    assert backend.byte_span(np.broadcast_to(np.float32(1), (4, 3)))[1] - \
+        backend.byte_span(np.broadcast_to(np.float32(1), (4, 3)))[0] == 4
+
+
+def test_reversed_grad_over_its_own_slot_is_named_as_such():
+    """A grad whose first element lies in the alignment padding after the param's slot and
+    which runs backwards over the slot: the old span (first element + nbytes) missed the
+    slot and blamed another param; now named as its own view's overlap. Nothing changes."""
+    buf, ps = make()
+    buf.add_grad(ps[1], grad=np.ones((2, 2), np.float32))
+    storage, view = buf.grad_storage, buf._grad_view["w0"]
+    assert storage.size >= 8 and np.shares_memory(storage[:4], view)  # padding after w0
+    backwards = np.lib.stride_tricks.as_strided(storage[5:], shape=(4,), strides=(-4,))
+    assert np.shares_memory(backwards, view) and not backend_same(backwards, view)
+    before = snapshot(buf, ps)
+    with pytest.raises(GradError, match=r"param 'w0': grad overlaps part of its own grad view"):
+        buf.add_grad(ps[0], grad=backwards)
+    assert_unchanged(before, buf, ps)
+
+
+def backend_same(a, b):
+    from mpifusion.arrays import backend
+
+    return backend.same_view(a, b)
