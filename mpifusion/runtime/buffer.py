@@ -520,6 +520,8 @@ class FusedCommBuffer(ShardedParams):
         collectives on a communicator with an abandoned one refuse to run
         (``AbandonedError``): save what you need and abort, or use a fresh communicator.
         """
+        abandon = check_switch(abandon, f"{self._where()}: reset: abandon")
+        zero_grads = check_switch(zero_grads, f"{self._where()}: reset: zero_grads")
         task = self._task
         pending = False
         if task is not None:

@@ -13,6 +13,7 @@ from ..arrays import backend
 from ..comm import CommTask
 from ..errors import CommError, LayoutError, StateError
 from ..plan.actions import HookAction
+from .options import check_switch
 from .param import Param
 
 
@@ -42,6 +43,7 @@ class ShardedParams:
         ``sync=False`` returns the task and records it in ``param2task`` for every param;
         with ``sync=True`` ``param2task`` is ignored, as in Paddle.
         """
+        sync = check_switch(sync, f"{self._where()}: sync_params: sync")
         if not self.need_reduce_scale_sync():
             return None
         self._require_sharded("sync_params")

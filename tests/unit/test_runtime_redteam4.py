@@ -295,3 +295,29 @@ def backend_same(a, b):
     from mpifusion.arrays import backend
 
     return backend.same_view(a, b)
+
+
+# --------------------------------------------------------------------------- on/off arguments
+
+
+@pytest.mark.parametrize("value", ["False", 0, 1, None, np.array([True, False])])
+def test_sync_params_and_reset_switches_are_bools(value):
+    """``sync_params(sync="False")`` ran blocking and ``reset(abandon="False")`` would have
+    abandoned a collective in flight: truthiness decided. Each is now an OptionError naming
+    rank, buffer and argument, before anything changes."""
+    ps = [Param("w0", np.zeros(5, np.float32)), Param("w1", np.zeros(3, np.float32))]
+    buf = FusedCommBuffer(0, ps, SELF, act="reduce_scatter", acc_steps=1)
+    for p in ps:
+        buf.add_grad(p, grad=np.ones(p.shape, np.float32))
+    buf.scale_grads()
+    before = snapshot(buf, ps)
+    with pytest.raises(OptionError, match=r"rank 0: buffer 0: sync_params: sync: expected "
+                                          r"True or False"):
+        buf.sync_params(sync=value)
+    for arg in ("abandon", "zero_grads"):
+        with pytest.raises(OptionError, match=rf"rank 0: buffer 0: reset: {arg}: expected "
+                                              rf"True or False"):
+            buf.reset(**{arg: value})
+    assert_unchanged(before, buf, ps)
+    buf.reset(abandon=np.bool_(False), zero_grads=False)
+    assert buf.sync_params(sync=np.bool_(True)) is None
