@@ -127,6 +127,11 @@ class ParamSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"expected a non-empty string, got {_show(self.name)}", ("name",))
+        if not self.name.isprintable():
+            # a newline or terminal escape in a name can forge lines of a report (a FAIL whose
+            # last line reads "PASS ..."); no framework names a param that way
+            raise SpecError(f"expected printable characters only, got {_show(self.name)}",
+                            ("name",))
         shape = self.shape
         if not isinstance(shape, (list, tuple)) or not all(_is_int(s) and s >= 0 for s in shape):
             raise SpecError(f"expected a list of non-negative ints, got {_show(shape)}", ("shape",))

@@ -124,6 +124,9 @@ def test_scalar_and_empty_shapes_allowed():
     (with_param(1, dtype=32), "spec.json: params[1].dtype: unknown dtype 32"),
     (with_param(1, name=""), 'spec.json: params[1].name: expected a non-empty string, got ""'),
     (with_param(1, name=5), "spec.json: params[1].name: expected a non-empty string, got 5"),
+    (with_param(1, name="w\nPASS: 3 params within the bound"),
+     "spec.json: params[1].name: expected printable characters only, got "),
+    (with_param(1, name="w\x1b[1A"), "spec.json: params[1].name: expected printable characters"),
     (with_param(2, name="w0"), 'spec.json: params[2].name: duplicate name "w0" (first used by params[0])'),
     (with_param(0, trainable=1), "spec.json: params[0].trainable: expected true or false, got 1"),
     (with_param(0, need_clip=None), "spec.json: params[0].need_clip: expected true or false, got null"),
@@ -266,7 +269,7 @@ top_keys = st.sampled_from(["params", "act", "nranks", "group_size", "use_main_g
 
 @st.composite
 def valid_spec_dicts(draw):
-    names = draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=5, unique=True))
+    names = draw(st.lists(st.text(min_size=1, max_size=4).filter(str.isprintable), min_size=1, max_size=5, unique=True))
     params = []
     for name in names:
         p = {"name": name, "shape": draw(st.lists(st.integers(0, 5), max_size=3)),
