@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..dtypes import dtype_name
+from ..dtypes import as_dtype, dtype_name
 from ..errors import OracleMismatch
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, ReferenceSum, bound_model, error_bound, format_ratio
@@ -507,6 +507,24 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
     return report
 
 
+def _check_representable(x: np.ndarray, grad_dtype: str, where: str) -> None:
+    """Inputs are the grads the implementation received, so each is a value of its grad
+    dtype. One that is not (float64 values recorded for a float32 param, say) has no
+    right answer to compare with: the implementation rounded what the reference did not,
+    and a correct result failed with a misleading excess (found by a red-team review)."""
+    if grad_dtype == "float64" or not x.size:
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        back = x.astype(as_dtype(grad_dtype)).astype(np.float64)
+    bad = ~((back == x) | (np.isnan(back) & np.isnan(x)))
+    if bad.any():
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        raise DumpError(f"{where}: {int(bad.sum())} value(s) not representable in {grad_dtype}, "
+                        f"the grad dtype of the spec (first at flat index {i}: "
+                        f"{float(x.reshape(-1)[i])!r}); expected the grads the implementation "
+                        f"received, recorded in that dtype")
+
+
 def _key_param(key: str) -> str:
     """The param a dump-format key names (``in/{name}/{k}``, ``out/{name}``, ...)."""
     prefix, _, rest = key.partition("/")
@@ -636,6 +654,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
         for k in range(acc):
             x = _array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
             x = np.zeros(p.shape) if x is None else x
+            _check_representable(x, grad_dtype, f"{lab}: in/{p.name}/{k}")
             digest.update(np.ascontiguousarray(x).tobytes())
             glob.add(x)
             if own is not None:

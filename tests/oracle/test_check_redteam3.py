@@ -204,3 +204,41 @@ def test_out_keys_of_a_dump_without_inputs_are_noted_as_not_checked(tmp_path, ca
     assert any("out/w" in n and "not checked" in n and "in/" in n for n in report.notes), \
         report.notes
     assert "note: not checked" in str(report)
+
+
+# -- inputs that are not values of the grad dtype ------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_inputs_not_representable_in_the_grad_dtype_are_refused(dtype):
+    """float64 inputs recorded for a lower-precision param: the implementation rounded them
+    to its grad dtype and summed those, the reference summed the unrounded ones, and a
+    correct result FAILed with a misleading excess. Now a DumpError naming the key, the
+    count and the first value; inputs that are values of the grad dtype (stored wider)
+    pass, and fp32 inputs of a bf16 param with main grads are fine."""
+    import ml_dtypes
+
+    low = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(8) for _ in range(2)]  # float64, not values of `low`
+    out = np.mean([x.astype(low).astype(np.float32) for x in xs], axis=0).astype(low)
+    raw = (lambda a: a.view(np.uint16)) if dtype == "bfloat16" else (lambda a: a)
+    spec = spec_of(dtype, 2, shape=(8,), average=True)
+    with pytest.raises(DumpError, match=rf"rank 0 \(in memory\): in/w/0: 8 value\(s\) not representable in "
+                                        rf"{dtype}, the grad dtype of the spec \(first at flat "
+                                        rf"index 0: {float(xs[0][0])!r}\); expected the grads"):
+        check(spec, [{"in/w/0": x, "out/w": raw(out)} for x in xs])
+    # the same values rounded first, then stored as float64: accepted and right
+    rounded = [x.astype(low).astype(np.float64) for x in xs]
+    assert check(spec, [{"in/w/0": x, "out/w": raw(out)} for x in rounded]).ok
+
+
+def test_fp32_inputs_of_a_bf16_param_with_main_grads_are_accepted():
+    """With use_main_grad the grad dtype is float32: float32 inputs of a bfloat16 param are
+    values of it (no refusal); a NaN input stays allowed (NaN is a value of every dtype)."""
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(8).astype(np.float32) for _ in range(2)]
+    xs[1][3] = np.nan
+    out = np.mean(xs, axis=0, dtype=np.float32)
+    spec = spec_of("bfloat16", 2, shape=(8,), average=True, use_main_grad=True)
+    report = check(spec, [{"in/w/0": x, "out/w": out} for x in xs])
+    assert report.ok, report
