@@ -9,30 +9,14 @@ from mpifusion import (HOOK_ACTION, FusedCommBuffer, HookAction, Param, assign_g
 from mpifusion.dtypes import bfloat16
 from mpifusion.errors import CheckInError, GradError, LayoutError, NanInfError
 
+from tests.refusal import assert_unchanged, snapshot
+
 SELF = MPI.COMM_SELF
 
 
 def params(dtype=np.float32, shapes=((17, 257), (1,), (3, 5))):
     return [Param(f"w{i}", np.arange(np.prod(s), dtype=np.float64).reshape(s).astype(dtype))
             for i, s in enumerate(shapes)]
-
-
-def snapshot(buf, ps):
-    """Everything an error must leave untouched."""
-    grads = None if buf.grad_storage is None else buf.grad_storage.copy()
-    return (grads, buf.checked_in, dict(buf._checkin.steps), buf.task,
-            [None if p.grad is None else p.grad.copy() for p in ps])
-
-
-def assert_unchanged(before, buf, ps):
-    after = snapshot(buf, ps)
-    if before[0] is None:
-        assert after[0] is None
-    else:
-        np.testing.assert_array_equal(before[0], after[0])
-    assert before[1:4] == after[1:4]
-    for a, b in zip(before[4], after[4]):
-        assert (a is None and b is None) or np.array_equal(a, b)
 
 
 def test_public_names_and_alias():

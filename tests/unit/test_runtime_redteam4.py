@@ -12,29 +12,14 @@ from mpi4py import MPI
 from mpifusion import FusedCommBuffer, Param, to_torch
 from mpifusion.errors import GradError, NanInfError, OptionError
 
+from tests.refusal import assert_unchanged, snapshot
+
 SELF = MPI.COMM_SELF
 
 
 def make(acc_steps=2, **kw):
     ps = [Param("w0", np.zeros(4, np.float32)), Param("w1", np.zeros((2, 2), np.float32))]
     return FusedCommBuffer(0, ps, SELF, act="all_reduce", acc_steps=acc_steps, **kw), ps
-
-
-def snapshot(buf, ps):
-    """What a refused call must leave as it was: values, counters, which arrays are which."""
-    return (None if buf.grad_storage is None else buf.grad_storage.copy(), buf.grad_storage,
-            dict(buf._checkin.steps), buf.checked_in, buf.task, [p.grad for p in ps])
-
-
-def assert_unchanged(before, buf, ps):
-    after = snapshot(buf, ps)
-    if before[0] is None:
-        assert after[0] is None
-    else:
-        np.testing.assert_array_equal(before[0], after[0])
-    assert after[1] is before[1]
-    assert after[2:5] == before[2:5]
-    assert all(a is b for a, b in zip(after[5], before[5]))
 
 
 # --------------------------------------------------------------------------- use_comm
@@ -210,7 +195,6 @@ def test_release_grads_moves_a_torch_own_grad(how):
             value = 0.0
         np.testing.assert_array_equal(buf.grad_storage[:4], np.full(4, value), err_msg=what)
         np.testing.assert_array_equal(ps[0].grad, np.full(4, value), err_msg=what)
-
 
 
 def test_naninf_error_counts_a_grad_that_is_a_torch_view_of_its_slot():

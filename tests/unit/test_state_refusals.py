@@ -13,6 +13,8 @@ from mpifusion import (FusedCommBuffer, Param, build_reduce_scatter_buffer,
 from mpifusion.arrays import backend
 from mpifusion.errors import CheckInError, GradError, LayoutError, NanInfError, StateError
 
+from tests.refusal import assert_unchanged, snapshot
+
 SELF = MPI.COMM_SELF
 
 
@@ -22,34 +24,6 @@ def make(n=3, size=6):
 
 def ones(p, value=1.0):
     return np.full(p.shape, value, np.float32)
-
-
-def snapshot(buf, ps):
-    """Everything a refused call must leave as it was: values and which arrays are which."""
-    return dict(
-        storage=buf.grad_storage, is_shard=buf._grads_are_shard,
-        values=None if buf.grad_storage is None else buf.grad_storage.copy(),
-        params=None if buf.param_storage is None else buf.param_storage.copy(),
-        steps=dict(buf._checkin.steps), count=buf.checked_in, task=buf.task,
-        step=buf._step, status=buf.status,
-        grads=[(p.grad, None if p.grad is None else p.grad.copy()) for p in ps],
-        views=dict(buf._grad_view))
-
-
-def assert_unchanged(before, buf, ps):
-    after = snapshot(buf, ps)
-    assert after["storage"] is before["storage"] and after["is_shard"] == before["is_shard"]
-    for key in ("values", "params"):
-        if before[key] is None:
-            assert after[key] is None
-        else:
-            np.testing.assert_array_equal(after[key], before[key])  # NaN-aware, bit for bit
-    for key in ("steps", "count", "task", "step", "status"):
-        assert after[key] == before[key], key
-    for (g0, v0), (g1, v1) in zip(before["grads"], after["grads"]):
-        assert g1 is g0
-        assert v0 is None or v0.tobytes() == v1.tobytes()
-    assert all(after["views"][k] is v for k, v in before["views"].items())
 
 
 # ------------------------------------------------------------------ finding 5: clear mid-step
