@@ -21,8 +21,13 @@ export SLURM_CONF=$CONF
 say() { echo "slurm_cluster: $*"; }
 die() { echo "slurm_cluster: error: $1" >&2; exit "${2:-1}"; }
 
-pid_alive() {  # pid_alive FILE: the pid in FILE is a live process
-  [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+pid_alive() {  # pid_alive DIR/NAME.pid: the pid in it is a live process named NAME
+  # (a daemon killed without removing its pid file leaves a pid that the system may give to
+  # any other process later: that one is neither reported running nor signalled)
+  local pid name=${1##*/}
+  [ -s "$1" ] && pid=$(cat "$1") && [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null &&
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null || ps -o comm= -p "$pid" 2>/dev/null)" = \
+      "${name%.pid}" ]
 }
 
 have_slurm() {
@@ -110,7 +115,18 @@ start_munge() {
 }
 
 node_state() {  # the node's state as sinfo prints it (idle, mix, alloc, down*, ...), or empty
-  sinfo -h -n "$NODE" -o %T 2>/dev/null | head -n 1
+  # (empty, not a failure, while slurmctld does not answer: under set -e -o pipefail a
+  # failing sinfo ended `start` at once, silently, with exit code 1)
+  { sinfo -h -n "$NODE" -o %T 2>/dev/null || true; } | head -n 1
+}
+
+start_failed() {  # start_failed MESSAGE...: show the logs' ends, stop what started, exit 1
+  local log
+  for log in "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log"; do
+    [ -s "$log" ] && { echo "==> $log <==" && tail -n 5 "$log"; } >&2
+  done
+  cmd_stop >/dev/null 2>&1 || true   # no half-started cluster left running
+  die "$* (logs in $DIR/log; the cluster's daemons are stopped)"
 }
 
 usable() {
@@ -129,8 +145,17 @@ cmd_start() {
   slurmctld -i >>"$DIR/log/slurmctld.out" 2>&1 ||
     die "slurmctld did not start (see $DIR/log/slurmctld.log)"
   slurmd >>"$DIR/log/slurmd.out" 2>&1 || die "slurmd did not start (see $DIR/log/slurmd.log)"
-  local state="" i
+  local state="" i d
   for i in $(seq 1 60); do
+    # a daemon that exited (its port taken, a bad config) is not waited for, nor is whatever
+    # else holds its port asked (sinfo would wait 10 s for an answer each time)
+    for d in slurmctld slurmd; do
+      if [ -s "$DIR/$d.pid" ] || [ "$i" -ge 4 ]; then
+        pid_alive "$DIR/$d.pid" || start_failed "$d exited right after starting (port in use?" \
+          "SlurmctldPort ${MPIFUSION_SLURMCTLD_PORT:-6817}, SlurmdPort ${MPIFUSION_SLURMD_PORT:-6818}:" \
+          "MPIFUSION_SLURMCTLD_PORT and MPIFUSION_SLURMD_PORT set others)"
+      fi
+    done
     state=$(node_state)
     case "$state" in
       idle*|mixed*|allocated*) break ;;
@@ -138,14 +163,11 @@ cmd_start() {
     esac
     sleep 0.5
   done
-  if ! usable; then
-    tail -n 5 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 2>/dev/null || true
-    die "node $NODE not ready after 30 s (state '${state:-none}'; logs in $DIR/log)"
-  fi
+  usable || start_failed "node $NODE not ready after 30 s (state '${state:-none}')"
   say "running: node $NODE ($(sinfo -h -n "$NODE" -o %c) CPUs, state $state); export SLURM_CONF=$CONF"
 }
 
-stop_pid() {  # stop_pid FILE NAME: TERM the pid in FILE, KILL after 10 s
+stop_pid() {  # stop_pid DIR/NAME.pid NAME: TERM the daemon of that pid file, KILL after 10 s
   local file=$1 name=$2 pid i
   pid_alive "$file" || { rm -f "$file"; return 0; }
   pid=$(cat "$file")
