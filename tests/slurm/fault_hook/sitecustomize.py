@@ -6,6 +6,7 @@ misbehaves. ``MPIFUSION_TEST_FAULT=KIND:RANK[:CALL]`` (unset: nothing happens) w
 
 - ``exit``: at add_grad call CALL (default 3, i.e. mid-step) the process exits with code 3;
 - ``stall``: at call CALL it stops itself (SIGSTOP): alive to Slurm, silent to MPI;
+- ``kill``: at call CALL it kills itself (SIGKILL), like the OOM killer or ``kill -9``;
 - ``corrupt``: every grad it adds is off by 1.0, so the run's verdict is FAIL.
 
 Nothing is imported eagerly (the batch script probes mpi4py without starting MPI).
@@ -40,6 +41,8 @@ def _install(kind: str, rank: int, call: int) -> None:
                     os._exit(3)
                 if kind == "stall":
                     os.kill(os.getpid(), signal.SIGSTOP)
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
             return original(self, param, *args, **kwargs)
 
         cls.add_grad = add_grad
@@ -67,7 +70,7 @@ def _install(kind: str, rank: int, call: int) -> None:
 
 if _FAULT and os.environ.get("SLURM_STEP_ID") is not None:
     _kind, _rank, *_rest = _FAULT.split(":")
-    if _kind not in ("exit", "stall", "corrupt"):
+    if _kind not in ("exit", "stall", "corrupt", "kill"):
         raise ValueError(f"MPIFUSION_TEST_FAULT: unknown kind {_kind!r}")
     if os.environ.get("SLURM_PROCID") == _rank:
         _install(_kind, int(_rank), int(_rest[0]) if _rest else 3)
