@@ -70,6 +70,16 @@ def test_missing_venv_is_a_launch_error(slurm_env, tmp_path):
     assert "bin/activate" in job.log and "line " not in job.log, job
 
 
+def test_a_bad_srun_option_is_named_not_a_missing_install(slurm_env, tmp_path):
+    """MPIFUSION_SRUN_MPI naming no PMI plugin: srun refuses, and the script's hint asked
+    whether mpifusion and mpi4py were installed (they were). Now it names srun's options
+    first, where they came from and the variables that set them; still exit 3."""
+    job = run_job(slurm_env, tmp_path, "--ntasks=2", MPIFUSION_SRUN_MPI="bogus")
+    assert (job.state, job.exit_code) == ("FAILED", 3), job
+    assert ("mpifusion info failed on the tasks" in job.log
+            and "srun's options (--mpi=bogus from MPIFUSION_SRUN_MPI" in job.log), job.log
+
+
 def test_script_arguments_are_mpifusion_arguments(slurm_env, tmp_path):
     """``sbatch mpifusion.sbatch check --spec S DIR``: the script ignored its arguments and
     ran the default ``mpifusion run``, which passed: exit 0 and 'PASS' for a dump with a wrong
