@@ -171,22 +171,30 @@ def test_fail_verdict_exits_1(slurm_env, tmp_path):
     assert re.search(r"^FAIL: .*beyond the error bound", job.log, re.M), job
 
 
-def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
-    """No test hook: ``mpifusion check`` as the job, on a dump with one wrong element."""
+def _dump(folder: Path, wrong: bool) -> Path:
+    """A 2-rank all-reduce dump of one param ``w`` (one wrong element if ``wrong``) and its
+    spec, in ``folder``; returns the spec's path."""
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
     total = grads[0] + grads[1]
-    dump = tmp_path / "dump"
-    dump.mkdir()
+    dump = folder / "dump"
+    dump.mkdir(parents=True)
     for rank, g in enumerate(grads):
         out = total.copy()
-        if rank == 1:
+        if wrong and rank == 1:
             out[4] += np.float32(0.5)
         np.savez(dump / f"rank{rank}.npz", **{"in/w/0": g, "out/w": out})
-    spec = tmp_path / "spec.json"
+    spec = folder / "spec.json"
     spec.write_text(json.dumps({"params": [{"name": "w", "shape": [6], "dtype": "float32"}],
                                 "act": "all_reduce", "nranks": 2, "acc_steps": 1,
                                 "average": False}))
+    return spec
+
+
+def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
+    """No test hook: ``mpifusion check`` as the job, on a dump with one wrong element."""
+    spec = _dump(tmp_path, wrong=True)
+    dump = tmp_path / "dump"
     args = f"check --spec {spec} {dump}"
     job = run_job(slurm_env, tmp_path, "--ntasks-per-node=1", MPIFUSION_ARGS=args)
     assert (job.state, job.exit_code) == ("FAILED", 1), job

@@ -8,7 +8,6 @@ no Slurm, only bash and Linux's ``/proc``.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,32 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from .test_slurm import CLUSTER, SBATCH_SCRIPT, _seconds, run_job, slurm_env, wait  # noqa: F401
+from .test_slurm import (CLUSTER, SBATCH_SCRIPT, _dump, _seconds, run_job,  # noqa: F401
+                         slurm_env, wait)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(150)]
-
-
-def _dump(folder: Path, wrong: bool) -> Path:
-    """A 2-rank all-reduce dump of one param ``w`` (one wrong element if ``wrong``) and its
-    spec, in ``folder``; returns the spec's path."""
-    rng = np.random.default_rng(0)
-    grads = [rng.standard_normal(6).astype(np.float32) for _ in range(2)]
-    total = grads[0] + grads[1]
-    dump = folder / "dump"
-    dump.mkdir(parents=True)
-    for rank, g in enumerate(grads):
-        out = total.copy()
-        if wrong and rank == 1:
-            out[4] += np.float32(0.5)
-        np.savez(dump / f"rank{rank}.npz", **{"in/w/0": g, "out/w": out})
-    spec = folder / "spec.json"
-    spec.write_text(json.dumps({"params": [{"name": "w", "shape": [6], "dtype": "float32"}],
-                                "act": "all_reduce", "nranks": 2, "acc_steps": 1,
-                                "average": False}))
-    return spec
 
 
 def _sbatch_with_args(env: dict, tmp_path: Path, script_args: list, *options: str,
