@@ -15,8 +15,9 @@ import functools
 import json
 import os
 import platform
-import tempfile
-from typing import Any, Dict, Optional
+import secrets
+import stat
+from typing import Any, Dict, Optional, Tuple
 
 from .config import tune_file_from_env
 
@@ -163,27 +164,56 @@ def _lock(path: str) -> Any:
     return lock
 
 
+def _temp_beside(path: str) -> Tuple[int, str]:
+    """A new file in ``path``'s folder to write and rename over it, with the mode ``path``
+    has (else 0666 less the umask, as ``open`` creates files): mkstemp's 0600 made a tune
+    file shared by a group unreadable to everyone but the last user who ran ``tune``."""
+    try:
+        mode: Optional[int] = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = None
+    folder = os.path.dirname(path)
+    while True:
+        tmp = os.path.join(folder, f".tune-{secrets.token_hex(6)}.json")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                         | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        break
+    if mode is not None:
+        try:
+            os.chmod(tmp, mode)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+    return fd, tmp
+
+
 def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
     """Record ``entry`` (with ``segment_bytes``) for this machine type; other machines'
     entries are kept. Writers of one file take turns (an exclusive lock on ``PATH.lock``,
     under which the file is read again), so concurrent ``tune`` runs of several machine types
     keep each other's entries; the file is written to a temporary file then renamed, so
-    readers (who take no lock) never see half a file. Returns the path."""
+    readers (who take no lock) never see half a file. A symlink is written through (the
+    target is replaced, the link kept) and the file keeps its mode. Returns the path."""
     path = tune_path() if path is None else path
-    folder = os.path.dirname(os.path.abspath(path))
+    real = os.path.realpath(path)  # a link to a shared file: update (and lock) the file
+    folder = os.path.dirname(real)
     os.makedirs(folder, exist_ok=True)
-    if os.path.isdir(path):
+    if os.path.isdir(real):
         raise IsADirectoryError(21, "is a directory", path)
-    lock = _lock(path)
+    lock = _lock(real)
     try:
-        data = read_tune(path) or {"version": TUNE_VERSION, "machines": {}}
+        data = read_tune(real) or {"version": TUNE_VERSION, "machines": {}}
         data["machines"][machine_key()] = entry
-        fd, tmp = tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
+        fd, tmp = _temp_beside(real)
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(data, f, indent=1, sort_keys=True)
                 f.write("\n")
-            os.replace(tmp, path)
+            os.replace(tmp, real)
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -1,0 +1,63 @@
+"""Red-team review of the tune file and the default segment size (no MPI): what ``tune``
+writes must stay readable by everyone who read it before, land where the path points, never
+drop entries it could not read, and never go to a folder that depends on the current one."""
+import json
+import os
+import stat
+
+import pytest
+
+from mpifusion import machine
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def private_tune_file(tmp_path, monkeypatch):
+    """Never read or write the user's real tune file."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
+    monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
+    return path
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_new_tune_file_is_readable_as_umask_allows(private_tune_file):
+    """The tune file was written through mkstemp, so it was always mode 0600: on a tune file
+    shared by a group (a project folder in MPIFUSION_TUNE_FILE) every other user silently
+    fell back to the L2 rule after one of them ran ``tune``."""
+    old = os.umask(0o022)
+    try:
+        machine.write_tune({"segment_bytes": 2 * MiB})
+    finally:
+        os.umask(old)
+    assert _mode(private_tune_file) == 0o644
+
+
+def test_rewriting_keeps_the_files_mode(private_tune_file):
+    """An existing 0664 (group-writable, shared) file came back 0600."""
+    machine.write_tune({"segment_bytes": 2 * MiB})
+    os.chmod(private_tune_file, 0o664)
+    machine.write_tune({"segment_bytes": 4 * MiB})
+    assert _mode(private_tune_file) == 0o664
+    assert machine.tuned_segment_bytes() == 4 * MiB
+
+
+def test_a_symlinked_tune_file_is_written_through(tmp_path, private_tune_file):
+    """A tune file linked to a shared one (``ln -s /project/tune.json ~/.cache/mpifusion/``)
+    was replaced by a private copy: the shared file never got the new entry and the link was
+    gone. The target is updated and the link kept."""
+    shared = tmp_path / "shared" / "tune.json"
+    shared.parent.mkdir()
+    shared.write_text(json.dumps({"version": 1, "machines": {"other|L2=1": {
+        "segment_bytes": 8192}}}))
+    private_tune_file.symlink_to(shared)
+    machine.write_tune({"segment_bytes": 2 * MiB})
+    assert private_tune_file.is_symlink()
+    data = json.loads(shared.read_text())
+    assert data["machines"]["other|L2=1"] == {"segment_bytes": 8192}
+    assert data["machines"][machine.machine_key()] == {"segment_bytes": 2 * MiB}
+    assert (shared.parent / "tune.json.lock").exists()  # one lock for every link to it
