@@ -23,8 +23,10 @@ The kernels count NaN inputs; when there are any, those elements alone are re-ca
 reference cast, so NaN payloads and quiet bits are exactly what numpy/ml_dtypes produce (F16C
 quiets signalling NaNs, numpy does not). Everything else (Inf, overflow to Inf, subnormals,
 ties to even) is exact by construction and checked exhaustively in tests/unit/test_halfcast.py.
-Without the compiled module, for cupy arrays, non-contiguous or overlapping arrays, or with
-``MPIFUSION_HALFCAST=numpy``, :func:`widen` and :func:`narrow` are the plain casts.
+Without the compiled module, for cupy arrays, non-contiguous arrays, or with
+``MPIFUSION_HALFCAST=numpy``, :func:`widen` and :func:`narrow` are the plain casts. A source
+that overlaps the output (widening or rounding in place) is copied first: numpy's own cast
+gets that wrong (it copies forward, overwriting halves it has not read yet).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import numpy as np
 
 from ..config import HALFCAST_ENV, halfcast_from_env
 from ..dtypes import HALF, float16, float32
+from . import backend
 
 try:  # built by setup.py (optional extension)
     from . import _halfcast as _kernels
@@ -63,7 +66,14 @@ def _fast(src: Any, out: Any) -> bool:
     """True when the compiled kernel may run on these two arrays."""
     return (type(src) is np.ndarray and type(out) is np.ndarray
             and src.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable
-            and not np.may_share_memory(src, out) and _enabled())
+            and _enabled())
+
+
+def _detached(src: Any, out: Any) -> Any:
+    """``src``, or a copy of it where it overlaps ``out``: numpy's cast of an overlapping
+    1-D pair copies forward element by element, so widening in place overwrote halves not
+    yet read ([1, 2, 3, 4] -> [1, 1.875, 0, 1.984375]); the kernel needs disjoint buffers."""
+    return src.copy() if backend.overlaps(src, out) else src
 
 
 def _check(src: Any, out: Any, src_dtypes: tuple, out_dtypes: tuple, what: str) -> None:
@@ -85,6 +95,7 @@ def widen(src: Any, out: Optional[Any] = None) -> Any:
             return src.astype(float32)  # cupy and others: their own cast
         out = np.empty(src.shape, float32)
     _check(src, out, HALF, (float32,), "widen")
+    src = _detached(src, out)
     if not _fast(src, out):
         out[...] = src.reshape(out.shape)  # reshaping the source, never the output (a copy)
         return out
@@ -101,6 +112,7 @@ def narrow(src: Any, out: Any) -> Any:
     """Round an fp32 array to nearest even into the fp16/bf16 array ``out`` (same number of
     elements) and return it; bit-identical to numpy's (fp16) and ml_dtypes' (bf16) casts."""
     _check(src, out, (float32,), HALF, "narrow")
+    src = _detached(src, out)
     if not _fast(src, out):
         with np.errstate(over="ignore", invalid="ignore"):
             out[...] = src.reshape(out.shape)  # never reshape the output: it may copy

@@ -1,0 +1,45 @@
+"""Red-team checks of mpifusion.arrays.halfcast and backend.scale_: inputs the main tests do
+not cover, each against the reference cast (numpy for fp16, ml_dtypes for bf16) bit for bit."""
+import numpy as np
+import pytest
+
+from mpifusion.arrays import halfcast
+from mpifusion.dtypes import bfloat16, float16, float32
+
+HALVES = [pytest.param(float16, id="fp16"), pytest.param(bfloat16, id="bf16")]
+
+
+def _values(n: int) -> np.ndarray:
+    rng = np.random.default_rng(n)
+    return (rng.standard_normal(n) * 300).astype(float32)
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("n", [1, 4, 9, 100, 10007])
+@pytest.mark.parametrize("where", ["low", "high", "middle"])
+def test_widen_in_place_overlap(dt, n, where):
+    """Half values stored inside the fp32 output (widening in place). The overlapping case
+    went to numpy's plain cast, which copies forward element by element and overwrote
+    halves not yet read: [1, 2, 3, 4] widened to [1, 1.875, 0, 1.984375]."""
+    want = _values(n).astype(dt)
+    buf = np.zeros(n, float32)
+    start = {"low": 0, "high": n, "middle": n // 2}[where]
+    src = buf.view(dt)[start:start + n]
+    src[...] = want
+    halfcast.widen(src, buf)
+    assert buf.tobytes() == want.astype(float32).tobytes()
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("n", [1, 4, 9, 100, 10007])
+@pytest.mark.parametrize("where", ["low", "high", "middle"])
+def test_narrow_in_place_overlap(dt, n, where):
+    """fp32 values rounded into half precision over their own memory (the output starts
+    at the first, middle or second half of the fp32 array)."""
+    x = _values(n)
+    want = x.astype(dt)
+    buf = x.copy()
+    start = {"low": 0, "high": n, "middle": n // 2}[where]
+    out = buf.view(dt)[start:start + n]
+    halfcast.narrow(buf, out)
+    assert out.tobytes() == want.tobytes()
