@@ -357,6 +357,14 @@ def scale_(arr: Any, factor: float) -> None:
     if arr.dtype.itemsize >= 4:
         arr *= arr.dtype.type(factor)
         return
+    if arr.ndim > 1 and not arr.flags.c_contiguous:
+        # reshape(-1) would copy, and the copy, not arr, would be scaled
+        if arr.flags.f_contiguous:
+            scale_(arr.T, factor)
+        else:
+            for row in arr:
+                scale_(row, factor)
+        return
     xp = array_module(arr)
     f = xp.float32(factor)
     flat = arr.reshape(-1)

@@ -3,7 +3,7 @@ not cover, each against the reference cast (numpy for fp16, ml_dtypes for bf16) 
 import numpy as np
 import pytest
 
-from mpifusion.arrays import halfcast
+from mpifusion.arrays import backend, halfcast
 from mpifusion.dtypes import bfloat16, float16, float32
 
 HALVES = [pytest.param(float16, id="fp16"), pytest.param(bfloat16, id="bf16")]
@@ -43,3 +43,21 @@ def test_narrow_in_place_overlap(dt, n, where):
     out = buf.view(dt)[start:start + n]
     halfcast.narrow(buf, out)
     assert out.tobytes() == want.tobytes()
+
+
+def _layouts(dt) -> list:
+    """(name, array) views of half-precision memory: contiguous, transposed, gapped."""
+    base = _values(6 * 70).astype(dt).reshape(6, 70)
+    return [("contiguous", base.copy()), ("transposed", base.copy().T),
+            ("gapped", base.copy()[:, 3:60]), ("every other", base.copy()[::2, ::3]),
+            ("3-D", base.copy().reshape(6, 7, 10).transpose(2, 0, 1)[::-1])]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+def test_scale_non_contiguous_half(dt):
+    """``scale_`` is in place: on a non-contiguous 2-D half view, reshape(-1) made a copy,
+    the copy was scaled and the view was left unchanged (a silent no-op)."""
+    for name, arr in _layouts(dt):
+        want = (arr.astype(float32) * np.float32(1 / 3)).astype(dt)
+        backend.scale_(arr, 1 / 3)
+        assert arr.tobytes() == want.tobytes(), name
