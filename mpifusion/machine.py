@@ -118,20 +118,41 @@ TUNE_MAX_BYTES = 1 << 20
 TUNE_MIN_SEGMENT, TUNE_MAX_SEGMENT = 4096, 1 << 40
 
 
+class TuneFileError(OSError):
+    """A tune file ``tune`` cannot write (says which and why); nothing was changed."""
+
+
+def _load_tune(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """``(content, None)``, ``({}, None)`` when the file is missing or empty, or ``({}, why it
+    is no tune file this version reads)``."""
+    from .limits import loads_json, read_text
+
+    try:  # a regular file of bounded size and depth: /dev/zero or a FIFO would hang a job
+        text = read_text(path, max_bytes=TUNE_MAX_BYTES)
+    except FileNotFoundError:
+        return {}, None
+    except UnicodeDecodeError:
+        return {}, "not valid UTF-8"
+    except (OSError, ValueError) as exc:
+        return {}, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    if not text.strip():
+        return {}, None
+    try:
+        data = loads_json(text)
+    except (ValueError, RecursionError) as exc:
+        return {}, f"not valid JSON ({exc})"
+    if isinstance(data, dict) and "version" in data and data["version"] != TUNE_VERSION:
+        return {}, f"version {data['version']!r} (this mpifusion reads version {TUNE_VERSION})"
+    if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
+        return {}, (f"not a tune file (expected {{\"version\": {TUNE_VERSION}, "
+                    f"\"machines\": {{...}}}})")
+    return data, None
+
+
 def read_tune(path: Optional[str] = None) -> Dict[str, Any]:
     """The tune file's content (``{'version': 1, 'machines': {key: entry}}``); empty when it
     is missing or unreadable (a broken file must not stop training: it only sets a default)."""
-    from .limits import loads_json, read_text
-
-    path = tune_path() if path is None else path
-    try:  # a regular file of bounded size and depth: /dev/zero or a FIFO would hang a job
-        data = loads_json(read_text(path, max_bytes=TUNE_MAX_BYTES))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != TUNE_VERSION \
-            or not isinstance(data.get("machines"), dict):
-        return {}
-    return data
+    return _load_tune(tune_path() if path is None else path)[0]
 
 
 def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
@@ -197,7 +218,9 @@ def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
     under which the file is read again), so concurrent ``tune`` runs of several machine types
     keep each other's entries; the file is written to a temporary file then renamed, so
     readers (who take no lock) never see half a file. A symlink is written through (the
-    target is replaced, the link kept) and the file keeps its mode. Returns the path."""
+    target is replaced, the link kept) and the file keeps its mode. A file that is no tune
+    file of this version (newer, truncated, hand-broken) is :class:`TuneFileError`, not
+    replaced: its entries would be lost. Returns the path."""
     path = tune_path() if path is None else path
     real = os.path.realpath(path)  # a link to a shared file: update (and lock) the file
     folder = os.path.dirname(real)
@@ -206,7 +229,11 @@ def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
         raise IsADirectoryError(21, "is a directory", path)
     lock = _lock(real)
     try:
-        data = read_tune(real) or {"version": TUNE_VERSION, "machines": {}}
+        data, problem = _load_tune(real)
+        if problem is not None:  # rewriting it would drop every entry it holds
+            raise TuneFileError(f"{path}: {problem}; nothing was changed: move it away, or "
+                                f"record this machine in another file with --output FILE")
+        data = data or {"version": TUNE_VERSION, "machines": {}}
         data["machines"][machine_key()] = entry
         fd, tmp = _temp_beside(real)
         try:

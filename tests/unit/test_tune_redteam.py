@@ -61,3 +61,45 @@ def test_a_symlinked_tune_file_is_written_through(tmp_path, private_tune_file):
     assert data["machines"]["other|L2=1"] == {"segment_bytes": 8192}
     assert data["machines"][machine.machine_key()] == {"segment_bytes": 2 * MiB}
     assert (shared.parent / "tune.json.lock").exists()  # one lock for every link to it
+
+
+@pytest.mark.parametrize("content, why", [
+    (json.dumps({"version": 2, "machines": {"other|L2=1": {"segment_bytes": 8192}}}),
+     "version 2"),
+    ('{"version": 1, "machines": {"other|L2=1": {"segment_bytes": 81', "not valid JSON"),
+    (json.dumps([{"segment_bytes": 8192}]), "not a tune file"),
+    (json.dumps({"version": 1, "machines": ["other"]}), "not a tune file"),
+    (b"\xff\xfe{}", "not valid UTF-8"),
+    (json.dumps({"version": 1, "machines": {}, "pad": " " * (2 * MiB)}), "larger than"),
+])
+def test_a_file_tune_cannot_read_is_not_overwritten(private_tune_file, content, why):
+    """A tune file that was not version 1 (a newer mpifusion's), truncated or hand-edited
+    into invalid JSON was silently replaced by one holding only this machine: every other
+    machine's entry was lost. Now it is refused, naming the file and the problem, and left
+    as it was."""
+    if isinstance(content, str):
+        content = content.encode()
+    private_tune_file.write_bytes(content)
+    with pytest.raises(machine.TuneFileError) as info:
+        machine.write_tune({"segment_bytes": 2 * MiB})
+    message = str(info.value)
+    assert str(private_tune_file) in message and why in message, message
+    assert "nothing was changed" in message and "--output" in message
+    assert private_tune_file.read_bytes() == content
+    assert machine.tuned_segment_bytes() is None  # readers still ignore it
+
+
+def test_a_tune_file_that_is_a_device_or_fifo_is_not_replaced(private_tune_file):
+    """``tune --output /dev/null`` (to throw the result away) as root renamed a regular file
+    over /dev/null; a FIFO was replaced the same way. Refused, and left as it was."""
+    os.mkfifo(private_tune_file)
+    with pytest.raises(machine.TuneFileError, match="not a regular file"):
+        machine.write_tune({"segment_bytes": 2 * MiB})
+    assert stat.S_ISFIFO(os.stat(private_tune_file).st_mode)
+
+
+def test_an_empty_tune_file_is_replaced(private_tune_file):
+    """An empty file holds no entries to lose (``touch``, a full disk): it is written."""
+    private_tune_file.write_text("\n")
+    machine.write_tune({"segment_bytes": 2 * MiB})
+    assert machine.tuned_segment_bytes() == 2 * MiB
