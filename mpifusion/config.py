@@ -152,11 +152,14 @@ def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional
 
 def tune_file_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (XDG's default:
-    ``~/.cache``)."""
+    ``~/.cache``; a relative ``$XDG_CACHE_HOME`` is ignored, as XDG says: it would name
+    another file in each folder a job starts in)."""
     environ = os.environ if environ is None else environ
     path = environ.get(TUNE_FILE_ENV, "").strip()
     if not path:
-        cache = environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+        cache = environ.get("XDG_CACHE_HOME", "").strip()
+        if not os.path.isabs(cache):
+            cache = os.path.join("~", ".cache")
         path = os.path.join(cache, "mpifusion", "tune.json")
     return os.path.expanduser(path)
 

@@ -122,11 +122,23 @@ class TuneFileError(OSError):
     """A tune file ``tune`` cannot write (says which and why); nothing was changed."""
 
 
+_NO_HOME = ("'~' names no home directory here (HOME is unset and this user has none); set "
+            "MPIFUSION_TUNE_FILE or XDG_CACHE_HOME to an absolute path")
+
+
+def _no_home(path: str) -> bool:
+    """Whether ``~`` was left unexpanded: the path would be relative to the current folder,
+    a different file for ranks (and ``tune`` runs) started in different folders."""
+    return path.startswith("~")
+
+
 def _load_tune(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
     """``(content, None)``, ``({}, None)`` when the file is missing or empty, or ``({}, why it
     is no tune file this version reads)``."""
     from .limits import loads_json, read_text
 
+    if _no_home(path):
+        return {}, _NO_HOME
     try:  # a regular file of bounded size and depth: /dev/zero or a FIFO would hang a job
         text = read_text(path, max_bytes=TUNE_MAX_BYTES)
     except FileNotFoundError:
@@ -152,7 +164,7 @@ def _load_tune(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
 def read_tune(path: Optional[str] = None) -> Dict[str, Any]:
     """The tune file's content (``{'version': 1, 'machines': {key: entry}}``); empty when it
     is missing or unreadable (a broken file must not stop training: it only sets a default)."""
-    return _load_tune(tune_path() if path is None else path)[0]
+    return _load_tune(os.path.expanduser(tune_path() if path is None else path))[0]
 
 
 def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
@@ -221,7 +233,9 @@ def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
     target is replaced, the link kept) and the file keeps its mode. A file that is no tune
     file of this version (newer, truncated, hand-broken) is :class:`TuneFileError`, not
     replaced: its entries would be lost. Returns the path."""
-    path = tune_path() if path is None else path
+    path = os.path.expanduser(tune_path() if path is None else path)
+    if _no_home(path):
+        raise TuneFileError(f"{path}: {_NO_HOME}, or pass --output FILE; nothing was written")
     real = os.path.realpath(path)  # a link to a shared file: update (and lock) the file
     folder = os.path.dirname(real)
     os.makedirs(folder, exist_ok=True)

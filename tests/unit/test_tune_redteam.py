@@ -103,3 +103,51 @@ def test_an_empty_tune_file_is_replaced(private_tune_file):
     private_tune_file.write_text("\n")
     machine.write_tune({"segment_bytes": 2 * MiB})
     assert machine.tuned_segment_bytes() == 2 * MiB
+
+
+def _no_home(monkeypatch):
+    import pwd
+
+    def unknown(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("MPIFUSION_TUNE_FILE", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+
+
+def test_without_a_home_directory_nothing_is_written_under_the_current_folder(
+        tmp_path, monkeypatch):
+    """HOME unset for a user the password database does not know (containers run under a
+    random uid): '~' stayed unexpanded, so ``tune`` created ./~/.cache/mpifusion/tune.json in
+    whatever folder it ran in, and jobs read it only when started from that same folder."""
+    _no_home(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(machine.TuneFileError, match="no home directory.*MPIFUSION_TUNE_FILE"):
+        machine.write_tune({"segment_bytes": 2 * MiB})
+    assert os.listdir(tmp_path) == []
+    os.makedirs(tmp_path / "~" / ".cache" / "mpifusion")
+    (tmp_path / "~" / ".cache" / "mpifusion" / "tune.json").write_text(json.dumps(
+        {"version": 1, "machines": {machine.machine_key(): {"segment_bytes": 8192}}}))
+    assert machine.default_segment_bytes() == machine.segment_rule()  # not read either
+
+
+def test_a_tilde_in_output_is_the_home_directory(tmp_path, monkeypatch):
+    """``tune --output '~/tune.json'`` (quoted in a job script) wrote ./~/tune.json."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    machine.write_tune({"segment_bytes": 2 * MiB}, "~/tune.json")
+    assert (tmp_path / "home" / "tune.json").exists() and not (tmp_path / "~").exists()
+    assert machine.tuned_segment_bytes("~/tune.json") == 2 * MiB
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    """XDG's rule: a relative $XDG_CACHE_HOME is invalid and ignored. It was used relative to
+    the current folder, so ranks started in different folders read different tune files."""
+    monkeypatch.delenv("MPIFUSION_TUNE_FILE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    assert machine.tune_path() == str(tmp_path / "home" / ".cache" / "mpifusion" / "tune.json")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert machine.tune_path() == str(tmp_path / "xdg" / "mpifusion" / "tune.json")
