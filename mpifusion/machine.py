@@ -11,12 +11,14 @@ small JSON file that :func:`default_segment_bytes` prefers. Precedence, highest 
 """
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import platform
 import secrets
 import stat
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 from .config import tune_file_from_env
@@ -179,18 +181,34 @@ def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
     return value
 
 
+#: flock errors of file systems that have no locks (Lustre mounted without ``flock``: ENOSYS;
+#: NFS without a lock daemon: ENOLCK): the write goes ahead, only atomic
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", -1)}
+
+
 def _lock(path: str) -> Any:
     """An exclusive ``flock`` on ``PATH.lock`` (created next to the tune file, never removed:
     removing it would let two writers lock two different files), held until the returned
-    file is closed. None where there is no ``fcntl`` (the write is then only atomic)."""
+    file is closed. Opened read-only: flock needs no more, so a lock file another user
+    created (0644) serves every user of a shared tune file. None where there is no
+    ``fcntl`` or the file system has no locks (the write is then only atomic, with a warning:
+    a home on such a file system made ``tune`` fail after measuring)."""
     try:
         import fcntl
     except ImportError:  # not POSIX
         return None
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-    lock = os.fdopen(fd, "r+b")
+    fd = os.open(path + ".lock", os.O_RDONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    lock = os.fdopen(fd, "rb")
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    except OSError as exc:
+        lock.close()
+        if exc.errno not in _NO_FLOCK:
+            raise
+        warnings.warn(f"{path}: the file system has no file locks ({exc.strerror}); writing "
+                      f"without a lock (tune runs writing this file at the same time may "
+                      f"drop each other's entries)", RuntimeWarning, stacklevel=3)
+        return None
     except BaseException:
         lock.close()
         raise

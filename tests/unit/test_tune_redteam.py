@@ -1,6 +1,7 @@
 """Red-team review of the tune file and the default segment size (no MPI): what ``tune``
 writes must stay readable by everyone who read it before, land where the path points, never
 drop entries it could not read, and never go to a folder that depends on the current one."""
+import errno
 import json
 import os
 import stat
@@ -151,3 +152,66 @@ def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
     assert machine.tune_path() == str(tmp_path / "home" / ".cache" / "mpifusion" / "tune.json")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert machine.tune_path() == str(tmp_path / "xdg" / "mpifusion" / "tune.json")
+
+
+@pytest.mark.parametrize("code", [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_a_filesystem_without_flock_still_gets_the_file(private_tune_file, monkeypatch, code):
+    """Home directories on Lustre mounted without ``flock`` (ENOSYS) or NFS without a lock
+    daemon (ENOLCK): ``tune`` measured, then failed with '[Errno 38] Function not
+    implemented' and recorded nothing. The write is still atomic; it goes ahead, warning
+    that concurrent writers are not serialised."""
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.warns(RuntimeWarning, match="without a lock"):
+        machine.write_tune({"segment_bytes": 2 * MiB})
+    assert machine.tuned_segment_bytes() == 2 * MiB
+
+
+_AS_OTHER_USER = r"""
+import fcntl, os, sys
+from mpifusion import limits, machine
+machine.machine_key()
+os.setgid(65534)  # after the imports: the interpreter's files may be root's only
+os.setuid(65534)
+machine.write_tune({"segment_bytes": 8192}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="needs root to run a writer as another user")
+def test_another_user_can_update_a_shared_tune_file(tmp_path):
+    """The lock file was opened read-write: on a tune file shared by a group, the first
+    user's lock file (0644 under umask 022) made every other user's ``tune`` fail with
+    'Permission denied: ...tune.json.lock' after measuring. flock needs only read access."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    shared = Path(tempfile.mkdtemp(prefix="mpifusion-shared-"))
+    try:
+        os.chmod(shared, 0o777)  # a folder the group may write
+        path = shared / "tune.json"
+        old = os.umask(0o022)
+        try:
+            machine.write_tune({"segment_bytes": 2 * MiB}, str(path))  # as this user
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o666)
+        assert _mode(str(path) + ".lock") == 0o644
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.run([sys.executable, "-c", _AS_OTHER_USER, str(path)],
+                              env=dict(os.environ, PYTHONPATH=str(root)),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(path.read_text())
+        assert data["machines"][machine.machine_key()] == {"segment_bytes": 8192}
+        assert os.stat(path).st_uid == 65534 and _mode(path) == 0o666
+    finally:
+        import shutil
+
+        shutil.rmtree(shared)
