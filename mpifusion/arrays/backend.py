@@ -369,12 +369,15 @@ def scale_(arr: Any, factor: float) -> None:
     f = xp.float32(factor)
     flat = arr.reshape(-1)
     scratch = xp.empty(min(flat.size, _SCALE_CHUNK), dtype=xp.float32)
-    for start in range(0, flat.size, _SCALE_CHUNK):
-        part = flat[start:start + _SCALE_CHUNK]
-        tmp = scratch[:part.size]
-        tmp[...] = part
-        xp.multiply(tmp, f, out=tmp)
-        part[...] = tmp
+    # the rounding back is ours, not the caller's arithmetic: a caller's np.seterr('raise')
+    # must not stop it part-way (numpy flags an fp16 subnormal result as underflow)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for start in range(0, flat.size, _SCALE_CHUNK):
+            part = flat[start:start + _SCALE_CHUNK]
+            tmp = scratch[:part.size]
+            tmp[...] = part
+            xp.multiply(tmp, f, out=tmp)
+            part[...] = tmp
 
 
 def nonfinite_count(arr: Any) -> int:

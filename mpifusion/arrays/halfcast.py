@@ -114,7 +114,9 @@ def narrow(src: Any, out: Any) -> Any:
     _check(src, out, (float32,), HALF, "narrow")
     src = _detached(src, out)
     if not _fast(src, out):
-        with np.errstate(over="ignore", invalid="ignore"):
+        # as the kernel: no warning or error from the caller's np.seterr (numpy flags an fp16
+        # subnormal result as underflow, a finite value rounding to inf as overflow)
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
             out[...] = src.reshape(out.shape)  # never reshape the output: it may copy
         return out
     s32, o16 = src.reshape(-1).view(_u32), out.reshape(-1).view(_u16)

@@ -61,3 +61,40 @@ def test_scale_non_contiguous_half(dt):
         want = (arr.astype(float32) * np.float32(1 / 3)).astype(dt)
         backend.scale_(arr, 1 / 3)
         assert arr.tobytes() == want.tobytes(), name
+
+
+@pytest.mark.parametrize("dt", HALVES)
+def test_scale_half_under_numpy_raise(dt):
+    """A caller's ``np.seterr(all='raise')`` (a common way to hunt NaNs) made ``scale_`` of
+    an fp16 buffer raise FloatingPointError ('underflow encountered in cast') at a tiny
+    gradient rounding to a subnormal, after earlier chunks were scaled: the buffer was left
+    half scaled. The rounding is the library's own (halfcast.narrow never raises): exact
+    bits, no exception, whatever the caller's error state."""
+    tiny = np.float32(3 * 2.0 ** -24 if dt == float16 else 3 * 2.0 ** -133)
+    x = np.ones(3 * (1 << 16) + 5, float32)
+    x[-4:] = [tiny, -tiny, np.inf, np.nan]
+    arr = x.astype(dt)
+    want = (arr.astype(float32) * np.float32(0.5)).astype(dt)
+    with np.errstate(all="raise"):
+        backend.scale_(arr, 0.5)
+    assert arr.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("mode", ["auto", "numpy"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_narrow_under_numpy_raise(dt, mode, layout, monkeypatch):
+    """The same for :func:`halfcast.narrow`: the kernel never raised, but the plain cast
+    (``MPIFUSION_HALFCAST=numpy``, no compiled module, a strided array) raised
+    FloatingPointError under ``np.seterr(under='raise')``, so the paths differed."""
+    monkeypatch.setenv("MPIFUSION_HALFCAST", mode)
+    tiny = np.float32(1.5 * 2.0 ** -24 if dt == float16 else 1.5 * 2.0 ** -133)
+    x = np.full(64, tiny, float32)
+    x[:4] = [-tiny, 1e6, 3.4e38, np.nan]
+    if layout == "strided":
+        x = x[::2]
+    with np.errstate(all="raise"):
+        out = halfcast.narrow(x, np.empty(x.size, dt))
+    with np.errstate(all="ignore"):
+        want = x.astype(dt)
+    assert out.tobytes() == want.tobytes()
