@@ -8,6 +8,7 @@ the CLI and the benchmark pass options explicitly instead of editing ``os.enviro
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
@@ -78,16 +79,25 @@ def parse_strategy(value: Any, what: str = "strategy") -> str:
 
 
 def parse_segment_bytes(value: Any, what: str = "segment_bytes") -> int:
+    """Bytes per segment, an int in [0, 2**62] (0: no segments). Any integer type (a numpy
+    one computed from shapes: as ``acc_steps`` and ``root``), or a string of one (``"1e6"``
+    too; digits are read exactly, not through a float)."""
     if isinstance(value, str):
+        text = value.strip()
         try:
-            number = float(value.strip())
+            value = int(text)
         except ValueError:
-            raise OptionError(f"{what}: expected a number of bytes, got {value!r}") from None
-        if not math.isfinite(number) or number != int(number):
-            raise OptionError(f"{what}: expected an int >= 0 (0: no segments), got {value!r}")
-        value = int(number)
-    if (isinstance(value, bool) or not isinstance(value, int) or value < 0
-            or value > (1 << 62)):
+            try:
+                number = float(text)
+            except ValueError:
+                raise OptionError(f"{what}: expected a number of bytes, got {value!r}") \
+                    from None
+            if not math.isfinite(number) or number != int(number):
+                raise OptionError(f"{what}: expected an int >= 0 (0: no segments), "
+                                  f"got {value!r}")
+            value = int(number)
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not 0 <= value <= (1 << 62)):
         raise OptionError(f"{what}: expected an int >= 0 (0: no segments), got {value!r}")
     return int(value)
 

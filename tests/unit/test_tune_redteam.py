@@ -215,3 +215,29 @@ def test_another_user_can_update_a_shared_tune_file(tmp_path):
         import shutil
 
         shutil.rmtree(shared)
+
+
+@pytest.mark.parametrize("value, want", [("np64", 4096), ("npu32", 8192),
+                                         ("9007199254740993", 9007199254740993)])
+def test_segment_bytes_takes_any_integer_exactly(value, want):
+    """A numpy integer (a size computed from shapes) was refused with 'expected an int >= 0,
+    got np.int64(4096)', unlike acc_steps and root; and digits in MPIFUSION_SEGMENT_BYTES
+    went through a float, so values above 2**53 changed silently."""
+    import numpy as np
+
+    from mpifusion.config import CommOptions
+
+    value = {"np64": np.int64(4096), "npu32": np.uint32(8192)}.get(value, value)
+    assert CommOptions(segment_bytes=value).segment == want
+    assert CommOptions.from_env({"MPIFUSION_SEGMENT_BYTES": str(value)}).segment == want
+
+
+@pytest.mark.parametrize("value", ["np_true", "np_neg", "4M", "-1", "0.5", "nan", "1e400"])
+def test_segment_bytes_still_refuses_what_is_no_byte_count(value):
+    import numpy as np
+
+    from mpifusion.config import CommOptions, OptionError
+
+    value = {"np_true": np.bool_(True), "np_neg": np.int64(-1)}.get(value, value)
+    with pytest.raises(OptionError, match="segment_bytes: expected"):
+        CommOptions(segment_bytes=value)
