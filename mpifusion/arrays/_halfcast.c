@@ -13,6 +13,17 @@
  * Buffers come in through the buffer protocol as raw bytes (uint16 / uint32 views), so no
  * numpy headers are needed to build this file.
  */
+/* -ffast-math, -Ofast or -funsafe-math-optimizations (e.g. in $CFLAGS, which pip passes to
+ * the compiler and the linker) make GCC link crtfastmath.o into this shared object: loading
+ * it would turn on flush-to-zero and denormals-are-zero for the whole process, so numpy's
+ * fp32 sums, scaling and bf16 casts would flush subnormals to 0. Refuse such a build: the
+ * extension is optional, and halfcast falls back to numpy's and ml_dtypes' casts. */
+#if defined(__FAST_MATH__) || defined(__ASSOCIATIVE_MATH__) || defined(__RECIPROCAL_MATH__) \
+    || defined(__NO_SIGNED_ZEROS__)
+#error "_halfcast.c must not be built with -ffast-math/-Ofast/-funsafe-math-optimizations: \
+loading it would set flush-to-zero for the whole process (unset them in CFLAGS)"
+#endif
+
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

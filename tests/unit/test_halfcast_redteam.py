@@ -1,5 +1,11 @@
 """Red-team checks of mpifusion.arrays.halfcast and backend.scale_: inputs the main tests do
 not cover, each against the reference cast (numpy for fp16, ml_dtypes for bf16) bit for bit."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
 import numpy as np
 import pytest
 
@@ -98,3 +104,47 @@ def test_narrow_under_numpy_raise(dt, mode, layout, monkeypatch):
     with np.errstate(all="ignore"):
         want = x.astype(dt)
     assert out.tobytes() == want.tobytes()
+
+
+_PROBE = """
+import sys
+import numpy as np
+def subnormals_kept():
+    x = np.full(4, 1e-39, np.float32)
+    return bool((x * np.float32(1.0))[0] != 0)
+before = subnormals_kept()
+sys.path.insert(0, sys.argv[1])
+import _halfcast
+print(before, subnormals_kept())
+"""
+
+
+def _compiler() -> bool:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    return shutil.which(cc.split()[0]) is not None
+
+
+@pytest.mark.skipif(not _compiler(), reason="no C compiler")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("flag", ["-ffast-math", "-funsafe-math-optimizations"])
+def test_fast_math_build_cannot_flush_subnormals(flag, tmp_path):
+    """pip passes $CFLAGS to the compiler and the linker; with -ffast-math (common in HPC
+    environments) GCC linked crtfastmath.o into the kernel, and importing halfcast turned on
+    flush-to-zero for the whole process: afterwards numpy computed 1e-39 * 1 = 0 and
+    ml_dtypes cast 1e-39 to bf16 0. Such a build must fail (the extension is optional: the
+    install goes on with numpy's casts) or, if it succeeds, leave subnormals alone."""
+    src = os.path.join(os.path.dirname(halfcast.__file__), "_halfcast.c")
+    shutil.copy(src, tmp_path / "_halfcast.c")
+    (tmp_path / "setup.py").write_text(
+        "from setuptools import Extension, setup\n"
+        "setup(name='hc', ext_modules=[Extension('_halfcast', ['_halfcast.c'], "
+        "extra_compile_args=['-O1', '-std=gnu99', '-Wno-psabi'])])\n")
+    env = dict(os.environ, CFLAGS=flag)
+    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    if build.returncode != 0:
+        assert "must not be built with" in build.stdout + build.stderr
+        return
+    probe = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path)], env=env,
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.split() == ["True", "True"], probe.stdout
