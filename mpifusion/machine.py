@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import logging
 import os
 import platform
 import secrets
@@ -169,16 +170,30 @@ def read_tune(path: Optional[str] = None) -> Dict[str, Any]:
     return _load_tune(os.path.expanduser(tune_path() if path is None else path))[0]
 
 
-def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
-    """The segment size ``mpifusion tune`` recorded for this machine type, if any."""
-    entry = read_tune(path).get("machines", {}).get(machine_key())
+def _tuned(path: str) -> Tuple[Optional[int], Optional[str]]:
+    """``(segment size recorded for this machine type or None, why the file or the entry
+    was ignored or None)``."""
+    if _no_home(path):
+        return None, None  # no home: no tune file, as when it is missing
+    data, problem = _load_tune(path)
+    entry = data.get("machines", {}).get(machine_key())
+    if problem is not None or entry is None:
+        return None, problem
     if not isinstance(entry, dict):
-        return None
+        return None, (f"this machine's entry is {type(entry).__name__} {entry!r:.40}, expected "
+                      f"an object with segment_bytes")
     value = entry.get("segment_bytes")
     if (isinstance(value, bool) or not isinstance(value, int)
             or not TUNE_MIN_SEGMENT <= value <= TUNE_MAX_SEGMENT):
-        return None  # 1 byte made a step 90x slower, 10**30 crashed: not what tune writes
-    return value
+        # 1 byte made a step 90x slower, 10**30 crashed: not what tune writes
+        return None, (f"this machine's entry has segment_bytes {value!r}, expected an int "
+                      f"in [{TUNE_MIN_SEGMENT}, {TUNE_MAX_SEGMENT}]")
+    return value, None
+
+
+def tuned_segment_bytes(path: Optional[str] = None) -> Optional[int]:
+    """The segment size ``mpifusion tune`` recorded for this machine type, if any."""
+    return _tuned(os.path.expanduser(tune_path() if path is None else path))[0]
 
 
 #: flock errors of file systems that have no locks (Lustre mounted without ``flock``: ENOSYS;
@@ -285,11 +300,25 @@ def write_tune(entry: Dict[str, Any], path: Optional[str] = None) -> str:
     return path
 
 
+_WARNED: set = set()
+
+
 def default_segment_bytes() -> int:
     """The segment size used when neither an option nor ``$MPIFUSION_SEGMENT_BYTES`` gives
-    one: the tuned value for this machine type, else :func:`segment_rule`."""
-    tuned = tuned_segment_bytes()
-    return tuned if tuned is not None else segment_rule()
+    one: the tuned value for this machine type, else :func:`segment_rule`. A tune file (or
+    entry) that is ignored is logged once per process and problem: it was silent, so a
+    hand-edited ``"4M"`` or a newer mpifusion's file looked used."""
+    path = tune_path()
+    tuned, problem = _tuned(path)
+    if tuned is not None:
+        return tuned
+    rule = segment_rule()
+    if problem is not None and (path, problem) not in _WARNED:
+        _WARNED.add((path, problem))
+        logging.getLogger("mpifusion").warning(
+            "tune file %s ignored: %s; the default segment size is the L2 rule's %d bytes "
+            "(fix or move the file, or run mpifusion tune again)", path, problem, rule)
+    return rule
 
 
 def default_segment_source() -> str:

@@ -241,3 +241,37 @@ def test_segment_bytes_still_refuses_what_is_no_byte_count(value):
     value = {"np_true": np.bool_(True), "np_neg": np.int64(-1)}.get(value, value)
     with pytest.raises(OptionError, match="segment_bytes: expected"):
         CommOptions(segment_bytes=value)
+
+
+@pytest.mark.parametrize("content, why", [
+    ('{"version": 1, "machines": {"KEY": {"segment_bytes": "4M"}}}', "segment_bytes '4M'"),
+    ('{"version": 1, "machines": {"KEY": {"segment_bytes": 4194304.0}}}', "4194304.0"),
+    ('{"version": 1, "machines": {"KEY": 4194304}}', "entry is int 4194304"),
+    ('{"version": 2, "machines": {}}', "version 2"),
+    ('{"version": 1, "machines": {"KEY": {"segment_bytes": 40', "not valid JSON"),
+])
+def test_an_ignored_tune_file_is_logged_once(private_tune_file, caplog, content, why):
+    """A tune file or entry that is ignored fell back to the L2 rule in silence: a
+    hand-edited '4M' or 4194304.0, or a newer mpifusion's file, looked as if it was used.
+    One warning per process names the file and the problem; the rule is still used."""
+    import logging
+
+    private_tune_file.write_text(content.replace("KEY", machine.machine_key()))
+    with caplog.at_level(logging.WARNING, logger="mpifusion"):
+        assert machine.default_segment_bytes() == machine.segment_rule()
+        assert machine.default_segment_bytes() == machine.segment_rule()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert str(private_tune_file) in lines[0] and why in lines[0], lines[0]
+    assert "L2 rule" in lines[0]
+
+
+def test_no_tune_file_and_other_machines_entries_are_not_logged(private_tune_file, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="mpifusion"):
+        machine.default_segment_bytes()
+        private_tune_file.write_text(json.dumps(
+            {"version": 1, "machines": {"other|L2=1": {"segment_bytes": 1}}}))
+        machine.default_segment_bytes()
+    assert caplog.records == []
