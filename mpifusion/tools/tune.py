@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -117,7 +118,22 @@ def _checked(args: argparse.Namespace) -> tuple:
             values.append(check(getattr(args, option[2:])))
         except ValueError as exc:
             raise OptionError(f"{option}: {exc}") from None
+    _output(getattr(args, "output", None))
     return (*values, _segments(args.segments))
+
+
+def _output(path: Optional[str]) -> None:
+    """Refuse an ``--output`` that can name no file before the sweep, not after it (an empty
+    one was "[Errno 21] is a directory: ''" once the measuring was done)."""
+    from ..config import OptionError
+
+    if path is None:
+        return
+    if not str(path).strip():
+        raise OptionError("--output: expected a file name, got ''")
+    if os.path.isdir(os.path.expanduser(path)):
+        raise OptionError(f"--output: {path!r} is a folder; expected a file name "
+                          f"(e.g. {os.path.join(path, 'tune.json')!r})")
 
 
 def sweep(segments: Sequence[int], buffer_bytes: int, itemsize: int) -> tuple:

@@ -275,3 +275,19 @@ def test_no_tune_file_and_other_machines_entries_are_not_logged(private_tune_fil
             {"version": 1, "machines": {"other|L2=1": {"segment_bytes": 1}}}))
         machine.default_segment_bytes()
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("output, needle", [("", "--output: expected a file name, got ''"),
+                                            ("DIR", "is a folder; expected a file name")])
+def test_tune_output_naming_no_file_is_refused_before_measuring(capsys, tmp_path, output,
+                                                                needle):
+    """``tune --output ''`` (an unset variable in a job script) measured the whole sweep,
+    then failed with "[Errno 21] is a directory: ''"; a folder likewise. Now one line, exit
+    2, before anything runs."""
+    from tests.helpers import run_cli
+
+    output = str(tmp_path) if output == "DIR" else output
+    code, out, err = run_cli(capsys, "tune", "--dry-run", "--output", output)
+    assert code == 2 and out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
