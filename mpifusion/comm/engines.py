@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from typing import Deque, Dict, Optional
 
 import numpy as np
@@ -181,6 +182,8 @@ class _NonBlockingEngine(_Engine):
             self.thread = threading.Thread(target=self._run_progress,
                                            name="mpifusion-progress", daemon=True)
             self.thread.start()
+        else:
+            _UNATTENDED.add(self)
 
     def submit(self, task: CommTask, inline: bool = False) -> None:
         with self.lock:
@@ -259,6 +262,27 @@ class _NonBlockingEngine(_Engine):
                 self._progress()
             finally:
                 self.lock.release()
+        if self.thread is None and len(_UNATTENDED) > 1:
+            self._progress_others()
+
+    def _progress_others(self) -> bool:
+        """Progress the other engines without a progress thread; True if one has tasks.
+
+        Without a progress thread an engine issues its next segment only when this process
+        calls into one of its tasks, so a caller waiting on one communicator must also move
+        the others: a peer may be waiting on another communicator's collective whose next
+        segment only this rank has not issued yet (ranks waiting on two communicators in
+        different orders deadlocked)."""
+        busy = False
+        for engine in tuple(_UNATTENDED):
+            if engine is not self and engine.tasks:
+                busy = True
+                if engine.lock.acquire(blocking=False):
+                    try:
+                        engine._progress()
+                    finally:
+                        engine.lock.release()
+        return busy
 
     def _run_progress(self) -> None:
         """The progress thread (MPI_THREAD_MULTIPLE only): test while tasks are in flight."""
@@ -282,20 +306,27 @@ class _NonBlockingEngine(_Engine):
                 backoff.sleep()
 
     def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
+        unattended = self.thread is None and len(_UNATTENDED) > 1
+
         def done() -> bool:
+            # other engines without a progress thread move only when called (see
+            # _progress_others): then never block in one request's Wait
+            others = unattended and self._progress_others()
             if self.lock.acquire(blocking=False):
                 try:
                     self._progress()
                     # without a deadline, block on the oldest call: nothing moves before it
-                    while (timeout is None and not task._event.is_set() and self.tasks
-                           and self.tasks[0]._requests):
+                    while (timeout is None and not others and not task._event.is_set()
+                           and self.tasks and self.tasks[0]._requests):
                         self.tasks[0]._requests[0][0].Wait()
                         self._progress()
                 finally:
                     self.lock.release()
             return task._event.is_set()
 
-        if not poll(done, timeout, moves=lambda: self.moves):
+        moves = ((lambda: sum(e.moves for e in tuple(_UNATTENDED))) if unattended
+                 else (lambda: self.moves))
+        if not poll(done, timeout, moves=moves):
             raise task._timeout_error(timeout)
 
     def close(self, timeout: float) -> None:
@@ -306,9 +337,14 @@ class _NonBlockingEngine(_Engine):
         """Stop the progress thread (before MPI finalizes: it must not call MPI after)."""
         self.closed = True
         self.wake.set()
+        _UNATTENDED.discard(self)
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=1.0)
 
+
+#: nonblocking engines without a progress thread (MPI below MPI_THREAD_MULTIPLE): each
+#: caller's progress and waits move all of them (_NonBlockingEngine._progress_others)
+_UNATTENDED: "weakref.WeakSet[_NonBlockingEngine]" = weakref.WeakSet()
 
 #: thread strategy: how long a small task is left for its caller's wait() to run it before
 #: the comm thread does (the thread's wake-up is what is saved)
