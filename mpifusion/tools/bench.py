@@ -99,9 +99,19 @@ def round_ratio(a: dict, b: dict) -> float:
 _DEFAULT = "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking"
 
 
-def _default_segment() -> int:
-    """The segment size the thread strategy uses on this machine (tuned, L2 rule or env)."""
-    return commlib.CommOptions.from_env(strategy="thread").segment
+_SEGMENTS: Dict[int, int] = {}
+
+
+def _default_segment(comm: MPI.Comm) -> int:
+    """The segment size the thread strategy uses in this job (tuned, L2 rule or env): the
+    smallest over ``comm``'s ranks, as the agreement check takes it. Collective on first use
+    per communicator: ranks whose tune files or caches differ (mixed nodes) would otherwise
+    time different candidates and hang."""
+    key = comm.py2f()
+    if key not in _SEGMENTS:
+        _SEGMENTS[key] = comm.allreduce(commlib.CommOptions.from_env(strategy="thread").segment,
+                                        op=MPI.MIN)
+    return _SEGMENTS[key]
 
 
 # --------------------------------------------------------------------------- workload
@@ -251,10 +261,10 @@ def raw_candidates(comm: MPI.Comm, nbytes: int, params: Sequence[Param], scale: 
         [comm.Iallreduce(MPI.IN_PLACE, [g, MPI.FLOAT]) for g in grads])
     # the fair floor of a sync step: the same 1/n scaling on the same bytes, done the two
     # cheap ways, at the segment sizes mpifusion's thread strategy may use
-    for seg in sorted({4 * MiB, _default_segment()}):
-        cands[f"floor+scale: Allreduce {seg // MiB} MiB segments, scaled per segment"] = \
-            segmented(seg, True)
-    seg = _default_segment()
+    seg = _default_segment(comm)
+    for size in sorted({4 * MiB, seg}):
+        cands[f"floor+scale: Allreduce {size // MiB} MiB segments, scaled per segment"] = \
+            segmented(size, True)
 
     def scale_pass() -> None:
         segmented(seg, False)()
@@ -272,7 +282,7 @@ def raw_other(comm: MPI.Comm, nbytes: int) -> Dict[str, Callable[[], Any]]:
     buf = np.ones((nbytes // 4) // n * n, np.float32)
     ways = {f"REDUCE raw: Reduce (blocking, {seg // MiB} MiB segments) + 1/n":
             segmented_reduce(comm, buf, seg, f, everywhere=True)
-            for seg in sorted({8 * MiB, _default_segment()})}
+            for seg in sorted({8 * MiB, _default_segment(comm)})}
     ways["REDUCE raw: Reduce (blocking, one call) + 1/n pass"] = segmented_reduce(
         comm, buf, buf.nbytes, f, everywhere=True)
     ways["REDUCE_SCATTER raw: Reduce_scatter_block + 1/n + Allgather (one call each)"] = \
@@ -664,7 +674,7 @@ def measure_meta(b: Bench) -> None:
         "numpy": np.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
         "thread_level": MPI.Query_thread(), "default_strategy": _DEFAULT,
-        "default_segment_bytes": _default_segment(), "group_bytes": b.s.group_bytes,
+        "default_segment_bytes": _default_segment(b.comm), "group_bytes": b.s.group_bytes,
         "iters": b.s.iters, "warmup": b.s.warmup,
         "busbw_factor": bus_factor("all_reduce", b.n),
     }
@@ -759,7 +769,7 @@ def measure_window_sweep(b: Bench) -> None:
     # the library's own floors: the same bytes in the same segments, blocking and all
     # non-blocking at once (what any nonblocking window can at best reach)
     flat = np.ones(grad_bytes(keep[-1]) // 4, np.float32)
-    seg = max(1, _default_segment() // 4)
+    seg = max(1, _default_segment(b.comm) // 4)
     fns["raw Allreduce, blocking segments"] = lambda: _raw_best(b.comm, flat, seg * 4)
     fns["raw Iallreduce, all segments in flight, Waitall"] = lambda: MPI.Request.Waitall(
         [b.comm.Iallreduce(MPI.IN_PLACE, [flat[i:i + seg], MPI.FLOAT])
@@ -779,10 +789,11 @@ def measure_size_sweep(b: Bench) -> None:
     sizes = b.s.size_sweep or auto_size_sweep(b.res["meta"]["grad_bytes"])
     comms = {s: Communicator(b.world, CommOptions(strategy=s)) for s in b.s.strategies}
     rows = []
+    segment = _default_segment(b.comm)
     for size in sizes:
         buf = np.ones(max(1, size // 4), np.float32)
         iters = int(min(200, max(b.s.iters, 2e8 / size)))
-        fns = {"raw_floor": lambda: _raw_best(b.comm, buf, _default_segment()),
+        fns = {"raw_floor": lambda: _raw_best(b.comm, buf, segment),
                "naive_iallreduce": lambda: b.comm.Iallreduce(MPI.IN_PLACE,
                                                              [buf, MPI.FLOAT]).Wait()}
         for s, c in comms.items():

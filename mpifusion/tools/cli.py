@@ -13,7 +13,7 @@ import os
 import platform
 import re
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from ..errors import FusionError
 
@@ -414,6 +414,23 @@ _THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",
                   "THREAD_SERIALIZED": "serialized", "THREAD_MULTIPLE": "multiple"}
 
 
+def _segment_default() -> Tuple[Optional[int], str]:
+    """This rank's default segment size and where it comes from: ranks of one job take the
+    smallest, so a node with another tune file or cache shows up here (None: the setting
+    is refused, and why)."""
+    from ..config import CommOptions
+    from ..errors import OptionError
+    from ..machine import default_segment_source
+
+    try:
+        options = CommOptions.from_env()
+    except OptionError as exc:
+        return None, f"refused: {exc}"
+    if options.segment_bytes is not None:
+        return options.segment, "MPIFUSION_SEGMENT_BYTES"
+    return options.segment, default_segment_source()
+
+
 def collect_info() -> dict:
     """What a user needs to know of the MPI and the devices this job sees."""
     import mpi4py
@@ -438,6 +455,8 @@ def collect_info() -> dict:
     version = MPI.Get_version()
     from .slurm import slurm_view, view_json
 
+    segment, source = _segment_default()
+
     return {
         # Open MPI ends its version string with a NUL byte
         "mpi_library": MPI.Get_library_version().replace("\0", "").strip().splitlines()[0],
@@ -445,6 +464,8 @@ def collect_info() -> dict:
         "thread_level": level_name,
         "world_size": MPI.COMM_WORLD.Get_size(),
         "processor": MPI.Get_processor_name(),
+        "segment_bytes": segment,
+        "segment_source": source,
         "cuda_aware_mpi": bool(is_cuda_aware()),
         "cupy": getattr(cupy, "__version__", None) if cupy is not None else None,
         "gpus": gpus,
@@ -468,13 +489,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         return EXIT_FAIL if problem else EXIT_PASS
     labels = {"mpi_library": "MPI library", "mpi_standard": "MPI standard",
               "thread_level": "thread level", "world_size": "world size",
-              "processor": "processor", "cuda_aware_mpi": "CUDA-aware MPI",
+              "processor": "processor", "segment_bytes": "segment size",
+              "cuda_aware_mpi": "CUDA-aware MPI",
               "cupy": "cupy", "gpus": "GPUs", "numpy": "numpy", "mpi4py": "mpi4py",
               "mpifusion": "mpifusion", "python": "python"}
     for key, label in labels.items():
         value = info[key]
         if key == "cupy" and value is None:
             value = "not installed"
+        if key == "segment_bytes":
+            value = (f"{value} bytes ({info['segment_source']})" if value is not None
+                     else info["segment_source"])
         _say(f"{label + ':':<16}{value}")
         if key == "processor":  # the Slurm view next to MPI's
             for slurm_label, slurm_value in summary_lines(view):

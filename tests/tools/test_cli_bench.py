@@ -110,3 +110,29 @@ def test_run_and_bench_use_the_shared_definition():
     assert runjob.bus_factor is bus_factor and runjob.algbw is algbw
     assert bench.busbw is busbw and bench.algbw is algbw
     assert not hasattr(runjob, "BUS_FACTOR") and not hasattr(bench, "_gbps")
+
+
+def test_ranks_with_different_tune_files_agree_on_the_default_segment(tmp_path):
+    """Mixed nodes: one rank's tune file says 1 MiB, the other has none (the L2 rule). bench
+    timed its raw candidates at each rank's own default, so the ranks ran different
+    collectives and the job hung; they now take the smallest, as the buffers' agreement
+    check does, and the report records it."""
+    import sys
+
+    from mpifusion.machine import machine_key
+
+    from tests.helpers import mpiexec_path, run_cmd
+
+    tuned, empty = tmp_path / "tuned.json", tmp_path / "empty.json"
+    tuned.write_text(json.dumps({"version": 1,
+                                 "machines": {machine_key(): {"segment_bytes": 1 << 20}}}))
+    empty.write_text(json.dumps({"version": 1, "machines": {}}))
+    out_dir = tmp_path / "out"
+    job = [sys.executable, "-m", "mpifusion", "bench", "--preset", "tiny", "--out",
+           str(out_dir), *FAST]
+    proc = run_cmd([mpiexec_path(), "-n", "1", "env", f"MPIFUSION_TUNE_FILE={tuned}", *job,
+                    ":", "-n", "1", "env", f"MPIFUSION_TUNE_FILE={empty}", *job],
+                   timeout=120, hang_ok=True)
+    assert proc.returncode == 0, (proc.stdout or "") + (proc.stderr or "")
+    res = json.loads((out_dir / "bench_tiny_n2.json").read_text())
+    assert res["meta"]["default_segment_bytes"] == 1 << 20

@@ -26,6 +26,28 @@ def test_info_json(capsys):
     assert code == 0 and "MPI library:" in out and "CUDA-aware MPI:" in out
 
 
+def test_info_says_the_default_segment_size_and_where_it_comes_from(capsys, monkeypatch,
+                                                                    tmp_path):
+    """Mixed nodes take the smallest segment over ranks: info shows each rank's and why."""
+    from mpifusion.machine import machine_key, segment_rule
+
+    monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
+    tune = tmp_path / "tune.json"
+    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(tune))
+    info = json.loads(run_cli(capsys, "info", "--json")[1])
+    assert info["segment_bytes"] == segment_rule()
+    assert info["segment_source"].startswith(("L2 rule", "fallback")), info
+    tune.write_text(json.dumps({"version": 1,
+                                "machines": {machine_key(): {"segment_bytes": 3 << 20}}}))
+    info = json.loads(run_cli(capsys, "info", "--json")[1])
+    assert info["segment_bytes"] == 3 << 20 and str(tune) in info["segment_source"]
+    monkeypatch.setenv("MPIFUSION_SEGMENT_BYTES", "65536")
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0 and "segment size:   65536 bytes (MPIFUSION_SEGMENT_BYTES)" in out
+    monkeypatch.setenv("MPIFUSION_SEGMENT_BYTES", "4M")
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0 and "segment size:   refused: MPIFUSION_SEGMENT_BYTES" in out
+
 @pytest.mark.mpi
 def test_info_under_mpiexec_rank0_prints_world_size(comm, capsys):
     code, out, _ = run_cli(capsys, "info", "--json")
