@@ -30,6 +30,9 @@ gets that wrong (it copies forward, overwriting halves it has not read yet).
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -43,12 +46,45 @@ try:  # built by setup.py (optional extension)
 except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
+#: why the compiled module is not used although it imports (None: it is, or there is none)
+STALE: Optional[str] = None
+
+
+def _source_digest(directory: str) -> Optional[str]:
+    """sha256 prefix of the ``_halfcast.c`` next to this file, as setup.py computes it (None
+    in an install that ships no source: the built module is then trusted)."""
+    try:
+        with open(os.path.join(directory, "_halfcast.c"), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def _stale(kernels: Any, digest: Optional[str]) -> Optional[str]:
+    """Why ``kernels`` must not run: built from another ``_halfcast.c`` than the one here. An
+    optional extension whose rebuild failed (no compiler, refused flags) keeps the old .so,
+    whose conversions may differ from the source's."""
+    built = getattr(kernels, "SOURCE", None)
+    if kernels is None or digest is None or built == digest:
+        return None
+    return (f"mpifusion.arrays._halfcast was built from another _halfcast.c (built "
+            f"{built or 'before builds were recorded'}, source {digest}); using numpy's and "
+            f"ml_dtypes' casts (same results, slower). Rebuild: pip install -e .")
+
+
+STALE = _stale(_kernels, _source_digest(os.path.dirname(os.path.abspath(__file__))))
+if STALE is not None:
+    warnings.warn(STALE, RuntimeWarning, stacklevel=2)
+    _kernels = None
+
 _u16, _u32 = np.dtype(np.uint16), np.dtype(np.uint32)
 
 
 def _enabled() -> bool:
     mode = halfcast_from_env()
     if mode == "kernel" and _kernels is None:
+        if STALE is not None:
+            raise ImportError(f"${HALFCAST_ENV}=kernel: {STALE}")
         raise ImportError(f"${HALFCAST_ENV}=kernel but mpifusion.arrays._halfcast is not "
                           "built (reinstall with a C compiler: pip install -e .)")
     return _kernels is not None and mode != "numpy"

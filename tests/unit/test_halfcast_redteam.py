@@ -148,3 +148,34 @@ def test_fast_math_build_cannot_flush_subnormals(flag, tmp_path):
     probe = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path)], env=env,
                            capture_output=True, text=True, check=True)
     assert probe.stdout.split() == ["True", "True"], probe.stdout
+
+
+def test_the_built_kernel_matches_its_source():
+    """setup.py records the source digest in the build; an install whose kernel was built
+    from another _halfcast.c (a failed rebuild keeps the old .so) must not use it."""
+    if halfcast._kernels is None and halfcast.STALE is None:
+        pytest.skip("no compiled kernel in this install")
+    here = os.path.dirname(halfcast.__file__)
+    assert halfcast.STALE is None, halfcast.STALE
+    assert halfcast._kernels.SOURCE == halfcast._source_digest(here)
+
+
+class _Built:
+    SOURCE = "0123456789abcdef"
+
+
+def test_a_kernel_built_from_another_source_is_refused(monkeypatch):
+    assert halfcast._stale(_Built, "0123456789abcdef") is None
+    assert halfcast._stale(_Built, None) is None  # no source shipped: trusted
+    assert halfcast._stale(None, "fedcba9876543210") is None  # nothing built
+    why = halfcast._stale(_Built, "fedcba9876543210")
+    assert "built from another _halfcast.c" in why and "pip install -e ." in why
+    assert "before builds were recorded" in halfcast._stale(object(), "fedcba9876543210")
+    # asked for by name, the refusal says why
+    monkeypatch.setattr(halfcast, "_kernels", None)
+    monkeypatch.setattr(halfcast, "STALE", why)
+    monkeypatch.setenv("MPIFUSION_HALFCAST", "kernel")
+    with pytest.raises(ImportError, match="built from another _halfcast.c"):
+        halfcast.path()
+    monkeypatch.setenv("MPIFUSION_HALFCAST", "auto")
+    assert halfcast.path() == "numpy"
