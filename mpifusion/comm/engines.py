@@ -44,7 +44,8 @@ class _Engine:
         self.lock = threading.Lock()    # start order; the caller's MPI calls
         self.seq = 0                    # tasks started: the next one's place in the stream
         self.abandoned: Optional[str] = None  # why later collectives are refused
-        self.stuck = False              # a wait missed its deadline: exit does not wait
+        #: tasks whose wait missed its deadline (see ``stuck``)
+        self.late: "weakref.WeakSet[CommTask]" = weakref.WeakSet()
         self.closed = False
         self.negotiator = None          # order.Negotiator on a negotiated communicator
         self.check_scratch = np.empty(4, dtype=np.uint64)  # the order check's send + receive
@@ -60,6 +61,15 @@ class _Engine:
             self.check_request = comm.Allreduce_init(*self.check_args, op=MPI.MAX)
         except (NotImplementedError, AttributeError, MPI.Exception):
             pass
+
+    @property
+    def stuck(self) -> bool:
+        """A wait missed its deadline and that collective has not finished since: close and
+        exit do not wait for this communicator. Not for good: a collective whose late ranks
+        only were slow finishes on a later wait(), and then exit drains pending collectives
+        as usual (a sticky flag made a process that had recovered exit with status 1,
+        without MPI_Finalize, blaming a collective that timed out)."""
+        return any(not t._finished() for t in tuple(self.late))
 
     def start_check(self) -> MPI.Request:
         """Start the order check's all-reduce (see ``check_request``); its request."""

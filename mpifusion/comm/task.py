@@ -219,7 +219,7 @@ class CommTask:
 
     def _timeout_error(self, timeout: float) -> CommTimeoutError:
         self.timed_out = True
-        self._engine.stuck = True  # at exit, do not wait for this communicator
+        self._engine.late.add(self)  # at exit, do not wait for it (engine.stuck)
         more = self.context() if self.context is not None else ""
         return CommTimeoutError(f"rank {self._rank}: {self.name or 'collective'} did not "
                                 f"complete within {timeout:g} s (another rank may not have "
