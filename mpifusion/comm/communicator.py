@@ -285,6 +285,11 @@ class Communicator:
         task.window = self.window
         if self._negotiator is not None:
             task._event = Latch()
+            if self.verify and self.size > 1:
+                # the rounds agree on a slot, not on what each rank started in it: two
+                # collectives of one Communicator started in different orders would pair
+                # silently; checked as in the strict order, inside the round
+                task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
                                    + _ITEM_KIND.get(desc[0], 3), task)
             return task
