@@ -22,7 +22,7 @@ strategy only decides whether each call is blocking (on the thread) or non-block
 Order (``CommOptions.order``, see ``order.py``): ``strict`` runs collectives in start order,
 each preceded by a tiny check that every rank starts the same one (``verify_order``);
 ``negotiated`` lets the ranks agree at run time on the order of the buffers ready everywhere.
-Each (strategy, order) pair is its own stream: its own private duplicate and engine. A
+Each (strategy, order, verify_order) is its own stream: its own private duplicate and engine. A
 separate *control* duplicate carries the construction-time agreement check and the start
 announcements, so building a buffer never meets another buffer's collectives in flight.
 """
@@ -190,7 +190,10 @@ class Communicator:
                     minimum=self.segment_bytes if self.options.segment_bytes is None else None)
                 if low is not None:
                     self.segment_bytes = low
-            tag = self.strategy + ("" if self.order == "strict" else "/negotiated")
+            # verified and unverified collectives never share a stream: where ranks started
+            # them in different orders, one rank's order check would meet another's data
+            tag = (self.strategy + ("" if self.order == "strict" else "/negotiated")
+                   + ("" if self.verify else "/unverified"))
             self.comm = private_comm(self.user_comm, tag, self.timeout)
         except BaseException:
             if self.slot is not None:

@@ -144,3 +144,31 @@ def test_negotiated_collectives_of_one_communicator_that_differ_are_an_order_err
     finally:
         release(dup)
         dup.Free()
+
+
+@pytest.mark.parametrize("strategy", ["thread", "nonblocking"])
+@pytest.mark.parametrize("numel", [4, 1000, 40000])
+def test_verified_and_unverified_communicators_do_not_share_a_stream(comm, strategy, numel):
+    """A Communicator with verify_order=False next to a verified one on the same comm and
+    strategy shared its stream: where ranks started them in different orders, one rank's
+    order check met the other's data call (an all-reduce of 16 bytes of fingerprints against
+    the grads). Each setting now has its own stream, so the verified one keeps its check
+    and the two run independently."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    user = comm.Dup()
+    try:
+        verified = Communicator(user, CommOptions(strategy=strategy, timeout=30.0))
+        plain = Communicator(user, CommOptions(strategy=strategy, timeout=30.0,
+                                               verify_order=False))
+        a, b = values(rank, numel, 1), values(rank, numel, 2)
+        if rank % 2 == 0:
+            tasks = [verified.allreduce(a), plain.allreduce(b)]
+        else:
+            tasks = [plain.allreduce(b), verified.allreduce(a)]
+        for t in tasks:
+            t.wait()
+        np.testing.assert_array_equal(a, total(numel, 1, n).astype(np.float32))
+        np.testing.assert_array_equal(b, total(numel, 2, n).astype(np.float32))
+    finally:
+        release(user)
+        user.Free()
