@@ -28,7 +28,7 @@ from typing import Deque, Dict, Optional
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import AbandonedError, CommTimeoutError, StateError
+from ..errors import AbandonedError, CommTimeoutError, OrderError, StateError
 from .poll import Backoff, poll
 from .task import CHECK_NAME, CommTask, Latch, nonblocking_name
 
@@ -103,6 +103,20 @@ class _Engine:
         self.seq += 1
         if task._event is None:
             task._event = Latch()
+
+    def _failed(self, task: CommTask, exc: BaseException) -> None:
+        """``task`` failed on this rank: record it, and unless every rank fails at the same
+        call (an OrderError) or the stream was already refused, refuse every later
+        collective here: the other ranks may still be inside this one, so the next call
+        made here would pair with its remaining calls there (a wrong sum, not an error)."""
+        task._fail(exc)
+        if not isinstance(exc, (OrderError, AbandonedError)):
+            self.abandon(f"rank {self.rank}: refused: {task.name or 'a collective'} of this "
+                         f"communicator failed on this rank after the ranks had agreed to run "
+                         f"it ({type(exc).__name__}: {exc}); the other ranks may still be in "
+                         f"it, and a later collective would pair with its remaining calls. "
+                         f"Save what you need and abort, or build new buffers on a fresh "
+                         f"communicator (comm.Split/Dup)")
 
     def _refused(self) -> AbandonedError:
         return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
@@ -210,7 +224,7 @@ class _NonBlockingEngine(_Engine):
         """No more calls for ``task`` (``exc``: why it failed); what is in flight still
         completes before the task is finished (MPI cannot cancel a collective)."""
         if exc is not None:
-            task._fail(exc)
+            self._failed(task, exc)
         task._stopped = True
 
     def _advance(self, task: CommTask) -> bool:
@@ -400,7 +414,7 @@ class _ThreadEngine(_Engine):
                 if land is not None:
                     land()
         except BaseException as exc:  # reported to the caller by wait()
-            task._fail(exc)
+            self._failed(task, exc)
             return
         self._run_steps(task, None)
 
@@ -438,7 +452,7 @@ class _ThreadEngine(_Engine):
                 if land is not None:
                     land()  # the call landed
         except BaseException as exc:  # reported to the caller by wait()
-            task._fail(exc)
+            self._failed(task, exc)
         return True
 
     def _next(self) -> "tuple[Optional[CommTask], Optional[float]]":
