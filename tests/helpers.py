@@ -100,3 +100,13 @@ def free_ports(count: int) -> int:
             for s in socks:
                 s.close()
     pytest.skip("no free local ports for gloo")
+
+
+@pytest.fixture(autouse=True)
+def private_tune_file(tmp_path, monkeypatch):
+    """Never read or write the user's real tune file (autouse where a test module imports
+    it: tests/unit/test_machine.py, test_tune_redteam.py)."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
+    monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
+    return path

@@ -7,16 +7,9 @@ import pytest
 from mpifusion import machine
 from mpifusion.config import CommOptions
 
+from tests.helpers import private_tune_file  # noqa: F401  (autouse fixture)
+
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def private_tune_file(tmp_path, monkeypatch):
-    """Never read or write the user's real tune file."""
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
-    monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
-    return path
 
 
 @pytest.mark.parametrize("l2, want", [(2 * MiB, 4 * MiB), (1 * MiB, 2 * MiB),
