@@ -1,6 +1,9 @@
 """Exceptions users can catch; every message names the rank and the param or option at fault."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator, Optional, Type
+
 
 class FusionError(RuntimeError):
     """Base class of mpifusion's own errors."""
@@ -69,3 +72,18 @@ class AbandonedError(CommError):
 
 class InputLimitError(FusionError, ValueError):
     """Input beyond what can be read, planned or allocated here (one line, says why)."""
+
+
+@contextmanager
+def error_context(where: str, *catch: Type[BaseException], kind: Optional[type] = None,
+                  note: str = "") -> Iterator[None]:
+    """Errors of the types ``catch`` raised inside, raised again as ``kind`` (default: the
+    same type) reading ``"{where}: {error}{note}"``, the original chained as the cause.
+
+    The one way context ("rank R: buffer I: param 'p'") is put on an error raised below
+    the code that knows it: the message says where, the traceback still shows how.
+    """
+    try:
+        yield
+    except catch as err:
+        raise (kind or type(err))(f"{where}: {err}{note}") from err

@@ -38,11 +38,11 @@ from mpi4py import MPI
 
 from ..arrays import backend, cuda
 from ..comm import CommTask, Communicator
-from ..config import CommOptions, naninf_check_from_env, parse_bool
+from ..config import CommOptions
 from ..dtypes import as_dtype
 from ..comm import health
 from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
-                     NanInfError, OptionError, StateError)
+                     NanInfError, OptionError, StateError, error_context)
 from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
@@ -105,7 +105,9 @@ class FusedCommBuffer(ShardedParams):
         check_comm_group(comm_group, f"rank {world_rank()}: buffer {id!r}")
         self._id = check_buffer_id(id, f"rank {world_rank()}: buffer {id!r}")
         self._params = list(params)
-        try:  # bad options name this rank and buffer, like every other construction error
+        rank = comm_group.Get_rank() if comm_group is not None else world_rank()
+        # bad options name this rank and buffer, like every other construction error
+        with error_context(f"rank {rank}: buffer {id}", OptionError):
             if comm_options is None:
                 comm_options = CommOptions.from_env()
             elif not isinstance(comm_options, CommOptions):
@@ -115,15 +117,9 @@ class FusedCommBuffer(ShardedParams):
                 comm_options = replace(comm_options, timeout=timeout)  # parsed again: inf -> None
             if order is not None:
                 comm_options = replace(comm_options, order=order)  # parsed again
-            self._naninf_check = (naninf_check_from_env() if check_naninf is None
-                                  else parse_bool(check_naninf, "check_naninf"))
-        except OptionError as exc:
-            rank = comm_group.Get_rank() if isinstance(comm_group, MPI.Comm) else world_rank()
-            raise OptionError(f"rank {rank}: buffer {id}: {exc}") from None
         deadline = comm_options.timeout
         # opened below, after the agreement check that also compares this buffer
         comm = None if comm_group is None else Communicator(comm_group, comm_options, open=False)
-        rank = comm.rank if comm is not None else world_rank()
         self._rank = rank
         where = f"rank {rank}: buffer {id}"
         if not self._params:
@@ -139,24 +135,17 @@ class FusedCommBuffer(ShardedParams):
             fuse_param=fuse_param, scale_after_comm=scale_after_comm,
             release_grads=release_grads, use_reduce_avg=use_reduce_avg,
             free_grads_in_comm=free_grads_in_comm, init_slice_param=init_slice_param,
-        ).checked(where, nranks, comm is not None)
+            check_naninf=check_naninf,
+        ).checked(where, comm is not None)
+        if opts.use_main_grad is None:  # Paddle's default: whether the first param has one
+            opts = replace(opts, use_main_grad=self._params[0].main_grad is not None)
+        #: the options this buffer was built with, checked (the one place the buffer reads them)
+        self.options: BufferOptions = opts
         act = opts.act
-
         self._comm = comm
-        self.options = opts
-        self._act = opts.act
-        self._dst_global = opts.dst  # REDUCE's root as given: a global rank, as in Paddle
-        self._dst = (dst_group_rank(opts.dst, comm_group, where)  # its rank in comm_group
-                     if act == HookAction.REDUCE else opts.dst)
-        self._acc_steps = opts.acc_steps
-        self._scale_after_comm = opts.scale_after_comm
-        self._fuse_param = opts.fuse_param
-        self._release_grads = opts.release_grads
-        self._use_reduce_avg = opts.use_reduce_avg
-        self._free_grads_in_comm = opts.free_grads_in_comm
+        # REDUCE's root as a rank of comm_group (options.dst is a global rank, as in Paddle)
+        self._dst = dst_group_rank(opts.dst, comm_group, where) if act == HookAction.REDUCE else -1
         self.timeout = deadline
-        self.use_main_grad = (self._params[0].main_grad is not None
-                              if use_main_grad is None else bool(use_main_grad))
         self.status = self.Status.READY
         self.sync_param_task: Optional[CommTask] = None
         self._task: Optional[CommTask] = None
@@ -191,23 +180,23 @@ class FusedCommBuffer(ShardedParams):
             (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
              self.grad_storage, _) = build_reduce_scatter_buffer(
                 self._params, nranks, rank, use_main_grad=self.use_main_grad,
-                release_grad=self._release_grads, init_slice_param=init_slice_param,
+                release_grad=opts.release_grads, init_slice_param=opts.init_slice_param,
                 slice_params=slice_params, layout=self.layout)
             self._params[0].comm_buffer_ref = weakref.ref(self)
         else:
             self.layout = plan_or_raise(plan_flat, self._params, rank=rank)
             self.buffer_size = self.layout.numel
-            if self._fuse_param:
+            if opts.fuse_param:
                 self.param_storage, self.grad_storage = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=True,
                     layout=self.layout)
-            elif not self._release_grads:
+            elif not opts.release_grads:
                 (self.grad_storage,) = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=False,
                     layout=self.layout)
         self.param2offset = self.layout.param2offset
         self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
-        self._checkin = CheckIn(self._params, self._acc_steps, where)
+        self._checkin = CheckIn(self._params, opts.acc_steps, where)
         # the grad (or main_grad) array each param must still have at its next add_grad: the
         # view into the grad buffer (kept as the array, so the hot path is an identity check)
         self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
@@ -218,12 +207,17 @@ class FusedCommBuffer(ShardedParams):
         return self._id
 
     @property
+    def use_main_grad(self) -> bool:
+        """Whether grads live in fp32 main grads (Paddle's attribute; resolved at construction)."""
+        return self.options.use_main_grad
+
+    @property
     def params(self) -> list:
         return self._params
 
     @property
     def act(self) -> HookAction:
-        return self._act
+        return self.options.act
 
     @property
     def grad_dtype(self) -> Any:
@@ -232,12 +226,12 @@ class FusedCommBuffer(ShardedParams):
 
     @property
     def acc_steps(self) -> int:
-        return self._acc_steps
+        return self.options.acc_steps
 
     @property
     def dst(self) -> int:
         """REDUCE's root as given: a global rank (of COMM_WORLD), as in Paddle."""
-        return self._dst_global
+        return self.options.dst
 
     @property
     def dst_rank(self) -> int:
@@ -268,7 +262,7 @@ class FusedCommBuffer(ShardedParams):
     @property
     def param_buffer_ipc_meta(self) -> Any:
         """CUDA IPC handle of a reduce-scatter param buffer (None on the host)."""
-        if self._act != HookAction.REDUCE_SCATTER or self.param_storage is None:
+        if self.options.act != HookAction.REDUCE_SCATTER or self.param_storage is None:
             return None
         return backend.ipc_handle(self.param_storage)
 
@@ -280,19 +274,12 @@ class FusedCommBuffer(ShardedParams):
 
     # ------------------------------------------------------------------ health (see health.py)
     def _agreement_entries(self) -> list:
-        """What every rank of comm_group must agree on before any collective of this buffer."""
-        options = {
-            "id": self._id, "act": self._act.name, "acc_steps": self._acc_steps,
-            "dst": self._dst, "alignment_bytes": ALIGNMENT_BYTES,
-            "use_main_grad": self.use_main_grad, "fuse_param": self._fuse_param,
-            "release_grads": self._release_grads, "scale_after_comm": self._scale_after_comm,
-            "use_reduce_avg": self._use_reduce_avg,
-            "free_grads_in_comm": self._free_grads_in_comm,
-            # strategy, segment size, deadline set, order and verification: the communicator
-            # adds them (Communicator._agreement_entries)
-            "check_naninf": self._naninf_check,
-        }
-        return health.describe(self._params, options)
+        """What every rank of comm_group must agree on before any collective of this buffer:
+        its params, id and alignment, and every option :meth:`BufferOptions.agreed` derives
+        (strategy, segment size, deadline set, order and verification: the communicator adds
+        them, ``Communicator._agreement_entries``)."""
+        return health.describe(self._params, {"id": self._id, "alignment_bytes": ALIGNMENT_BYTES,
+                                              **self.options.agreed()})
 
     def _announcer(self) -> Optional[health.StartTracker]:
         return self._tracker if self.timeout is not None else None
@@ -318,21 +305,22 @@ class FusedCommBuffer(ShardedParams):
         The task stays in place on a timeout: calling the same method again keeps waiting.
         """
         try:
-            task.wait(self.timeout)
-        except CommTimeoutError:
+            with error_context(f"{self._where()}: {what} (step {self._step}, action "
+                               f"{self.options.act.name}) failed in MPI", MPI.Exception,
+                               kind=CommError):
+                task.wait(self.timeout)
+        except CommTimeoutError as err:
             # the grads' check-in state says nothing about an all-gather of the params
             here = "" if what == "sync_params" else f"; {self._checked_in_text()} on this rank"
             raise CommTimeoutError(
-                f"{self._where()}: {what} (step {self._step}, action {self._act.name}) did not "
-                f"complete within {self.timeout:g} s{here}{self._late_ranks(seq)}. The collective is still pending: call wait() to "
-                f"keep waiting, or let the error abort the job (run under python -m mpi4py)"
-                ) from None
-        except MPI.Exception as exc:
-            raise CommError(f"{self._where()}: {what} (step {self._step}, action "
-                            f"{self._act.name}) failed in MPI: {exc}") from None
+                f"{self._where()}: {what} (step {self._step}, action {self.options.act.name}) "
+                f"did not complete within {self.timeout:g} s{here}{self._late_ranks(seq)}. The "
+                f"collective is still pending: call wait() to keep waiting, or let the error "
+                f"abort the job (run under python -m mpi4py)") from err
 
     def __repr__(self) -> str:
-        return (f"FusedCommBuffer(id={self._id}, act={self._act.name}, params={len(self._params)}, "
+        return (f"FusedCommBuffer(id={self._id}, act={self.options.act.name}, "
+                f"params={len(self._params)}, "
                 f"dtype={self.layout.dtype}, grad_dtype={self._grad_dtype.name}, "
                 f"numel={self.buffer_size}, nranks={self.nranks})")
 
@@ -390,20 +378,20 @@ class FusedCommBuffer(ShardedParams):
         name = param.name
         if use_comm is not True and use_comm is not False:
             self._check_use_comm(use_comm, f"param '{name}': add_grad")
-        if steps >= self._acc_steps:
+        if steps >= self.options.acc_steps:
             raise GradError(f"{self._where()}: param '{name}': already checked in "
-                            f"{steps} time(s) this step (acc_steps={self._acc_steps}); expected "
-                            f"scale_grads() before its next add_grad")
+                            f"{steps} time(s) this step (acc_steps={self.options.acc_steps}); "
+                            f"expected scale_grads() before its next add_grad")
         if grad is not None:
             grad = self._unalias(param, self._check_grad(param, grad))
         undo = None
-        if (use_comm and steps + 1 == self._acc_steps
+        if (use_comm and steps + 1 == self.options.acc_steps
                 and self._checkin.count + 1 == len(self._params)):
             # this call checks the last param in and starts communication: refuse now what
             # comm_grads would refuse after the grad was added and counted
-            if self._check_startable("add_grad") and self._naninf_check:
+            if self._check_startable("add_grad") and self.options.check_naninf:
                 undo = _Undo(self, (param,))  # a NaN/Inf found then puts this call back
-        if steps or not self._release_grads:
+        if steps or not self.options.release_grads:
             view = self._grad_view[name]  # accumulated into, whatever object is set
             given = grad_of(param, self.use_main_grad)
             if given is not view:
@@ -436,11 +424,10 @@ class FusedCommBuffer(ShardedParams):
         """use_comm is a bool (the one switch rule): add_grad(p, g) made the grad use_comm --
         a one-element grad was dropped (truthy), a zero one left comm unstarted on this rank
         only (falsy), and "False" started it."""
-        try:
-            check_switch(value, f"{self._where()}: {what}: use_comm")
-        except OptionError as exc:
-            raise OptionError(f"{exc} (a grad is passed by keyword: add_grad(param, grad=g)); "
-                              f"nothing was changed") from None
+        with error_context(self._where(), OptionError,
+                           note=" (a grad is passed by keyword: add_grad(param, grad=g)); "
+                                "nothing was changed"):
+            check_switch(value, f"{what}: use_comm")
 
     def _refuse_closed(self, what: str) -> None:
         raise StateError(f"{self._where()}: {what}: the buffer was closed (close()); expected "
@@ -479,26 +466,26 @@ class FusedCommBuffer(ShardedParams):
         for param in params:
             name = getattr(param, "name", None)
             steps = self._checkin.steps_of(param)
-            if steps >= self._acc_steps:
+            if steps >= self.options.acc_steps:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' already "
-                                f"checked in this step (acc_steps={self._acc_steps}); "
+                                f"checked in this step (acc_steps={self.options.acc_steps}); "
                                 f"expected scale_grads() first")
             if name in names:
                 raise GradError(f"{self._where()}: mark_unused: param '{name}' given twice; "
                                 f"expected each param once")
-            if self._release_grads and steps == 0:
+            if self.options.release_grads and steps == 0:
                 self._own_grad(param)
             names.append(name)
-        if self.grad_storage is None and not self._release_grads:
+        if self.grad_storage is None and not self.options.release_grads:
             raise GradError(f"{self._where()}: mark_unused: the grad buffer was cleared "
                             f"(clear_grad_storage); expected release_grads=True for that")
         undo = None
         if use_comm and names and self._checkin.count + len(names) == len(self._params):
-            if self._check_startable("mark_unused") and self._naninf_check:
+            if self._check_startable("mark_unused") and self.options.check_naninf:
                 undo = _Undo(self, params)
         for param in params:
             if self._checkin.steps[param.name] == 0:
-                if self._release_grads:
+                if self.options.release_grads:
                     self._copy_grad_to_buffer(param, None)
                 slot = self.layout[param.name]
                 self.grad_storage[slot.offset:slot.end] = 0
@@ -576,10 +563,10 @@ class FusedCommBuffer(ShardedParams):
         return grad
 
     def _check_grad(self, param: Param, grad: Any) -> Any:
-        try:
+        # a TypeError is asarray's one way to say it cannot import grad
+        with error_context(f"{self._where()}: param '{param.name}': grad", TypeError,
+                           kind=GradError):
             g = backend.asarray(grad)
-        except TypeError as exc:  # asarray's one way to say it cannot import grad
-            raise GradError(f"{self._where()}: param '{param.name}': grad: {exc}") from None
         if tuple(g.shape) != param.shape:
             raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
                             f"{param.shape}, got {tuple(g.shape)}")
@@ -624,8 +611,8 @@ class FusedCommBuffer(ShardedParams):
             # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
             self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, self._like)
             self._grads_are_shard = False
-        link = not self._free_grads_in_comm
-        if self._act == HookAction.REDUCE_SCATTER:
+        link = not self.options.free_grads_in_comm
+        if self.options.act == HookAction.REDUCE_SCATTER:
             view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
                 self.grad_storage, link_param=False)
         else:
@@ -657,20 +644,21 @@ class FusedCommBuffer(ShardedParams):
         if not self._checkin.all_in:
             raise CheckInError(
                 f"{self._where()}: step {self._step}: {self._checked_in_text()} (expected "
-                f"{self._acc_steps} add_grad per param; mark_unused(param) checks in a param "
-                f"that gets no gradient this step)")
+                f"{self.options.acc_steps} add_grad per param; mark_unused(param) checks in a "
+                f"param that gets no gradient this step)")
         self._comm_grads()
 
     def _comm_grads(self) -> None:
         if not self._check_startable("comm_grads"):
             return
-        if self._naninf_check:
+        opts = self.options
+        if opts.check_naninf:
             self._check_naninf()
         n = self._comm.size
         prepare: Optional[Callable[[], None]] = None
-        if not self._scale_after_comm and not self._use_reduce_avg:
-            # Paddle scales before the collective; here it runs once the order check passed,
-            # so an OrderError leaves the grads unscaled, as it says (red-team finding)
+        if not opts.scale_after_comm and not opts.use_reduce_avg:
+            # Paddle scales before the collective; here it runs once the order check passed:
+            # an OrderError says nothing was changed, so the grads must still be unscaled
             prepare = functools.partial(_prescale, self.grad_storage, 1.0 / n)
         # 1/n for reduce-avg and scale-after-comm is applied by the collective to the result,
         # while it is still wide (fp32 for half buffers: one rounding) and in cache. Paddle's
@@ -678,27 +666,27 @@ class FusedCommBuffer(ShardedParams):
         # regions that get no result are scaled too -- also by the collective, in cache: a
         # reduce's non-root ranks what they sent, a reduce-scatter the other ranks' shards
         # once packed (free_grads_in_comm drops those regions)
-        avg = 1.0 / n if (self._use_reduce_avg or self._scale_after_comm) else None
-        own = 1.0 / n if (self._scale_after_comm and not self._use_reduce_avg) else None
-        name = f"buffer {self._id} {self._act.name.lower()}"
+        avg = 1.0 / n if (opts.use_reduce_avg or opts.scale_after_comm) else None
+        own = 1.0 / n if (opts.scale_after_comm and not opts.use_reduce_avg) else None
+        name = f"buffer {self._id} {opts.act.name.lower()}"
         self._task_seq = self._start_collective()
-        if self._act == HookAction.ALL_REDUCE:
+        if opts.act == HookAction.ALL_REDUCE:
             self._task = self._comm.allreduce(self.grad_storage, scale=avg, name=name,
                                               tag=(self._id, self._step), prepare=prepare)
-        elif self._act == HookAction.REDUCE:
+        elif opts.act == HookAction.REDUCE:
             self._task = self._comm.reduce(self.grad_storage, self._dst, scale=avg, name=name,
                                            tag=(self._id, self._step), sent_scale=own,
                                            prepare=prepare)
         else:
             begin, end = self.layout.shard_range(self._comm.rank)
-            if self._free_grads_in_comm:
+            if opts.free_grads_in_comm:
                 shard = backend.empty(end - begin, self.grad_storage.dtype, self._like)
             else:
                 shard = self.grad_storage[begin:end]
             self._task = self._comm.reduce_scatter(
                 self.grad_storage, shard, scale=avg, name=name, tag=(self._id, self._step),
-                others_scale=None if self._free_grads_in_comm else own, prepare=prepare)
-            if self._free_grads_in_comm:
+                others_scale=None if opts.free_grads_in_comm else own, prepare=prepare)
+            if opts.free_grads_in_comm:
                 self._pre_comm_grads = self.grad_storage  # until the shard holds the result
                 self.reset_grad_storage(shard)
 

@@ -17,7 +17,7 @@ from .buffer import FusedCommBuffer, HookAction
 from .storage import world_rank
 from ..config import CommOptions
 from ..dtypes import itemsize
-from ..errors import LayoutError
+from ..errors import LayoutError, error_context
 from ..plan.grouping import PlanError, filter_split, split_params
 from ..plan.layout import (ASSIGN_GROUP_SIZE, FUSED_GROUP_SIZE, check_fusable,
                            group_indices_by_size)
@@ -31,10 +31,8 @@ def assign_group_by_size(parameters: Sequence[Param],
                          group_size: int = ASSIGN_GROUP_SIZE) -> "OrderedDict[int, list]":
     """Group params into buckets of about ``group_size`` bytes (Paddle's rule)."""
     groups = OrderedDict()
-    try:
+    with error_context(f"rank {world_rank()}", ValueError, kind=LayoutError):
         indices = group_indices_by_size(parameters, group_size)
-    except ValueError as exc:
-        raise LayoutError(f"rank {world_rank()}: {exc}") from None
     for group_idx, members in enumerate(indices):
         groups[group_idx] = [parameters[i] for i in members]
     if logger.isEnabledFor(logging.INFO):
@@ -50,10 +48,8 @@ def assign_group_by_size(parameters: Sequence[Param],
 def filter_params(params: Sequence[Param], is_fp32: bool, is_distributed: bool,
                   need_clip: bool):
     """The params of one (fp32?, distributed?, need_clip?) split, and their common dtype."""
-    try:
+    with error_context(f"rank {world_rank()}", PlanError, kind=LayoutError):
         return filter_split(params, is_fp32, is_distributed, need_clip)
-    except PlanError as exc:
-        raise LayoutError(f"rank {world_rank()}: {exc}") from None
 
 
 def _check_switches(where: str, **switches: Any) -> None:
@@ -111,10 +107,8 @@ def obtain_storage(
     check_comm_group(comm_group, where)
     if len(parameters) < 1:
         return [], []
-    try:  # every group's dtype before the first buffer is built
+    with error_context(where, ValueError, kind=LayoutError):  # every group's dtype first
         check_fusable(parameters)
-    except ValueError as exc:
-        raise LayoutError(f"{where}: {exc}") from None
     storage, buffers = [], []
     for group_idx, params in assign_group_by_size(parameters, group_size=group_size).items():
         buffer = FusedCommBuffer(group_idx, params, comm_group=comm_group, acc_steps=acc_steps,
@@ -136,10 +130,8 @@ def _fused_parameters_impl(parameters, *, use_main_grad, fuse_param, comm_overla
     def is_decay(p: Param) -> bool:
         return apply_decay_param_fun is not None and bool(apply_decay_param_fun(p.name))
 
-    try:
+    with error_context(f"rank {world_rank()}", PlanError, kind=LayoutError):
         splits = split_params(parameters, is_decay)
-    except PlanError as exc:
-        raise LayoutError(f"rank {world_rank()}: {exc}") from None
     decay_fused, all_fused, all_buffers = [], [], []
     common = dict(use_main_grad=use_main_grad, fuse_param=fuse_param, comm_overlap=comm_overlap,
                   act=act, comm_group=comm_group, dst=dst, acc_steps=acc_step,

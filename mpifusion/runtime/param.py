@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional
 
 from ..arrays import backend
 from ..dtypes import dtype_name
+from ..errors import error_context
 
 
 class Param:
@@ -100,10 +101,10 @@ def _import(name: str, field: str, value: Any, like: Any = None) -> Any:
     """``value`` as a numpy/cupy array sharing its memory, checked against the param's data."""
     if value is None:
         return None
-    try:  # shared, never copied: a torch tensor whose memory is not its value is refused
+    # shared, never copied: a torch tensor whose memory is not its value is refused; a
+    # TypeError is asarray's one way to say it cannot import value
+    with error_context(f"Param '{name}': {field}", TypeError):
         arr = backend.asarray(value, resolve_lazy=False)
-    except TypeError as exc:  # asarray's one way to say it cannot import value
-        raise TypeError(f"Param '{name}': {field}: {exc}") from None
     if like is not None:
         if tuple(arr.shape) != tuple(like.shape):
             raise ValueError(f"Param '{name}': {field}: expected shape {tuple(like.shape)} "

@@ -27,9 +27,9 @@ class ShardedParams:
 
     # ------------------------------------------------------------------ reduce-scatter params
     def _require_sharded(self, what: str) -> None:
-        if self._act != HookAction.REDUCE_SCATTER:
+        if self.options.act != HookAction.REDUCE_SCATTER:
             raise LayoutError(f"{self._where()}: {what}: expected a REDUCE_SCATTER buffer, "
-                              f"got {self._act.name}")
+                              f"got {self.options.act.name}")
 
     def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
         """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 from mpi4py import MPI
 
 from ..arrays import backend
-from ..errors import LayoutError
+from ..errors import LayoutError, error_context
 from ..plan.grouping import grad_dtype_for
 from ..plan.layout import FlatLayout, Slot, plan_flat, plan_sharded
 from .param import Param
@@ -61,10 +61,8 @@ def device_template(params: Sequence[Param]) -> Any:
 
 
 def plan_or_raise(plan_fn, params, *args, rank: int) -> FlatLayout:
-    try:
+    with error_context(f"rank {rank}", ValueError, kind=LayoutError):
         return plan_fn(params, *args)
-    except ValueError as exc:
-        raise LayoutError(f"rank {rank}: {exc}") from None
 
 
 def slot_view(buffer: Any, slot: Slot) -> Any:
