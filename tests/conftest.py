@@ -1,17 +1,32 @@
 """Shared test set-up.
 
-Tests marked ``mpi`` run under ``mpiexec -n N python -m mpi4py -m pytest --with-mpi``; a
-test failing on one rank aborts the whole job at once (instead of leaving the other ranks
-blocked in a collective until the timeout).
+The ``mpi`` marker alone decides the launcher. Tests marked ``mpi`` run under ``mpiexec -n N
+python -m mpi4py -m pytest --only-mpi``, where only the modules whose source applies the
+marker are collected (the others would be collected on every rank only to be skipped); a
+plain ``pytest`` deselects them and says how to run them. A test failing on one rank aborts
+the whole job at once (instead of leaving the other ranks blocked in a collective until the
+timeout).
+
+``--strict-skips`` (``MPIFUSION_STRICT_SKIPS=1``, set by scripts/test.sh) fails a run whose
+skips tests/skips.py does not allow; every session removes the MPI segments and launcher
+files that jobs killed during it left behind (tests/leftovers.py).
 """
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from tests import leftovers, skips
+
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+
+#: how a test module applies the marker (``pytest.mark.mpi``, ``mark.mpi(min_size=2)``);
+#: the serial run checks that every collected ``mpi`` test sits in a module this finds
+MPI_MARK = re.compile(r"\bmark\.mpi\b")
 
 
 def _world():
@@ -24,6 +39,21 @@ def _under_mpi(config) -> bool:
     return bool(config.getoption("with_mpi", False) or config.getoption("only_mpi", False))
 
 
+def _rank(config) -> int:
+    return _world().Get_rank() if _under_mpi(config) else 0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--strict-skips", action="store_true",
+                     default=os.environ.get(skips.STRICT_ENV, "") not in ("", "0"),
+                     help="fail when a test skips for a reason tests/skips.py does not allow "
+                          f"(also {skips.STRICT_ENV}=1)")
+    parser.addoption("--stress", action="store_true",
+                     default=os.environ.get("MPIFUSION_STRESS", "") not in ("", "0"),
+                     help="also run the long randomized tests marked stress "
+                          "(also MPIFUSION_STRESS=1)")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     # Under mpiexec only rank 0 reports; other ranks print nothing unless a test fails.
@@ -31,6 +61,64 @@ def pytest_configure(config):
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+    config._mpifusion_removed = []
+    if config.getoption("strict_skips"):
+        try:
+            skips.asked()  # an unknown category name stops the run before it starts
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+
+def _applies_mpi_mark(path: Path) -> bool:
+    try:
+        return MPI_MARK.search(path.read_text(encoding="utf-8", errors="replace")) is not None
+    except OSError:
+        return True
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --only-mpi, a test module that never applies the ``mpi`` marker is not even
+    imported (a text check: importing all ~50 modules on every rank took 8 s of CPU each)."""
+    if (config.getoption("only_mpi", False) and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and not _applies_mpi_mark(collection_path)):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Deselect (not skip) what this launcher does not run, so skips mean something."""
+    only_mpi = config.getoption("only_mpi", False)
+    with_mpi = config.getoption("with_mpi", False)
+    keep, drop = [], []
+    files_ok = {}
+    for item in items:
+        is_mpi = item.get_closest_marker("mpi") is not None
+        if item.get_closest_marker("stress") is not None and not config.getoption("stress"):
+            drop.append(item)
+        elif only_mpi and not is_mpi:
+            drop.append(item)
+        elif not (only_mpi or with_mpi) and is_mpi:
+            path = Path(str(item.fspath))
+            if path not in files_ok:
+                files_ok[path] = _applies_mpi_mark(path)
+            if not files_ok[path]:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked mpi but its module never writes 'mark.mpi', so "
+                    f"the MPI runs would not collect it; mark it in the module itself")
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    n_mpi = sum(1 for item in drop if item.get_closest_marker("mpi") is not None)
+    config._mpifusion_mpi_deselected = 0 if (only_mpi or with_mpi) else n_mpi
+
+
+def pytest_sessionstart(session):
+    session.config._mpifusion_snapshot = leftovers.snapshot()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,6 +135,59 @@ def pytest_runtest_makereport(item, call):
             # when the abort kills the job: seen under load (an empty failure report)
             time.sleep(0.5)
             comm.Abort(1)
+
+
+#: nodeid -> (outcome, skip reason) of this session's tests
+_OUTCOMES: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Keep each test's outcome (and a skip's reason) for the skip guard and the skip log."""
+    if hasattr(report, "wasxfail"):
+        _OUTCOMES[report.nodeid] = ("xfailed" if report.skipped else "xpassed", "")
+    elif report.skipped:
+        _OUTCOMES[report.nodeid] = ("skipped", skips.skip_reason(report))
+    elif report.when == "call" or report.failed:
+        _OUTCOMES.setdefault(report.nodeid, (report.outcome, ""))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    skipped = [(n, r) for n, (o, r) in _OUTCOMES.items() if o == "skipped"]
+    config._mpifusion_refused = (skips.refused(skipped)
+                                 if config.getoption("strict_skips") else [])
+    if config._mpifusion_refused and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _rank(config) == 0:
+        folder = os.environ.get(skips.LOG_ENV)
+        if folder and _OUTCOMES:
+            label = os.environ.get(skips.LABEL_ENV) or (
+                f"mpi-n{_world().Get_size()}" if _under_mpi(config) else "serial")
+            skips.write_log(folder, label, dict(_OUTCOMES))
+        config._mpifusion_removed = leftovers.sweep(config._mpifusion_snapshot)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n_mpi = getattr(config, "_mpifusion_mpi_deselected", 0)
+    if n_mpi:
+        terminalreporter.write_line(
+            f"{n_mpi} tests marked mpi deselected: they run under "
+            f"mpiexec -n N python -m mpi4py -m pytest --only-mpi (scripts/test.sh)")
+    removed = getattr(config, "_mpifusion_removed", [])
+    if removed:
+        terminalreporter.write_line(
+            f"removed {len(removed)} MPI segment(s)/launcher file(s) left by jobs killed "
+            f"during this session: {' '.join(p.name for p in removed[:10])}"
+            f"{' ...' if len(removed) > 10 else ''}")
+    refused = getattr(config, "_mpifusion_refused", [])
+    if refused:
+        terminalreporter.section("skips not allowed in this run (--strict-skips)", red=True)
+        for nodeid, reason in refused:
+            terminalreporter.write_line(f"{nodeid}: {reason}")
+        terminalreporter.write_line(
+            "Install what they need, or allow their category for this run with "
+            f"{skips.ALLOW_ENV}=<category,...> (categories and reasons: tests/skips.py).")
 
 
 @pytest.fixture
