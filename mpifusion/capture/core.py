@@ -196,7 +196,7 @@ class Recorder:
         rank raises the same :class:`CaptureError` when one rank's record is inconsistent or
         a param's count differs between ranks (unused on a rank: no grad reached its hook).
         Without this, the rank whose record raised left the others waiting in the gather's
-        collective forever (red-team finding)."""
+        collective forever."""
         try:
             mine, problem = self.to_dict(), None
         except CaptureError as e:
@@ -241,7 +241,7 @@ class Recorder:
             fields["dst"] = 0
         if getattr(self, "_attr", "grad") == "main_grad":
             # the outputs are fp32 main grads: without this the spec's half-precision grads
-            # would give the check the looser half bound (a 0.2% error passed: red-team)
+            # would give the check the looser half bound (under which a 0.2% error passes)
             fields.setdefault("use_main_grad", True)
         doc.update(fields)
         return doc

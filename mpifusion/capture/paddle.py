@@ -84,7 +84,7 @@ class PaddleCapture(Recorder):
         per node from 0 and are never reused (``_register_grad_hook`` returns it), but shows
         no list of them: an id above 0 means hooks were registered before ours and run
         first. One that all-reduces (a hand-written data-parallel hook) would make every
-        rank record the reduced grad, which any reduction then matches (red-team finding);
+        rank record the reduced grad, which any reduction then matches;
         one that scales or moves the grad (group-sharded scaling, ``MixPrecisionLayer``'s
         main-grad hook) changes what is recorded as the local grad. DataParallel's reducer
         and ``_register_backward_hook`` (FusedCommBuffer) run after the grad hooks and take

@@ -115,7 +115,7 @@ class TorchCapture(Recorder):
         ``param_dtype``, the reduction in ``reduce_dtype``, and the sharded grad is cast back
         to the param's dtype, while the capture declares the param's dtype for all of them:
         the oracle would check the reduction at the wrong precision and report a misleading
-        all-gather mismatch (red-team finding)."""
+        all-gather mismatch."""
         seen: set = set()
         by_id = {id(p): n for n, p in self._params.items()}
         for mod_name, mod in inner.named_modules():
@@ -173,7 +173,7 @@ class TorchCapture(Recorder):
         if getattr(t, "_backward_hooks", None):
             # they run before the capture's: one that reduces (a hand-written or Horovod-style
             # data-parallel hook) makes every rank record the reduced grad, and any reduction
-            # then passes the check (red-team finding)
+            # then passes the check
             raise CaptureError(f"rank {self.rank}: {name}: the param already has gradient "
                                f"hooks, which would run before the capture's and change what "
                                f"it records as the local grad; create the capture before "

@@ -56,7 +56,7 @@ class BoundModel:
 
 #: theta at which the bound stops meaning anything: theta/(1-theta) >= 1 makes it at least
 #: c*sum|x| >= |reference|, so a result of 0 (or the negated result, soon after) would pass
-#: every element (found by a red-team review; the limit was theta < 1 before)
+#: every element (theta < 1 alone is not enough: theta/(1-theta) reaches 1 at 0.5)
 THETA_MAX = 0.5
 
 
@@ -76,8 +76,8 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     n_red = (nranks - 1) + (2 if average else 0)
     # the float64 reference is a float64 sum too (R*K - 1 additions, and a division or a
     # multiplication by fl(1/R) for a mean): its roundings are as large as a float64
-    # implementation's own, so they are part of |out - ref| (found by a red-team review: a
-    # correct float64 sum in another rank order failed at 1.33x the bound at 4 ranks)
+    # implementation's own, so they are part of |out - ref| (without them a correct float64
+    # sum in another rank order fails, at 1.33x the bound at 4 ranks)
     n_ref = (nranks * acc_steps - 1) + (2 if average else 0)
     theta = n_acc * u_acc + n_red * u_red + n_ref * _UNIT_ROUNDOFF["float64"]
     if theta >= THETA_MAX:  # an OptionError: a ValueError too, and one line for the CLI
@@ -89,8 +89,8 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     rel = theta / (1 - theta)
     # a half-precision average may be pre-scaled on every rank (scale_after_comm=False): one
     # rounding per rank's term (one factor of theta), but where the scaled grads are
-    # subnormal each is an absolute error of its own, R of them that add up (found by a
-    # red-team review: eta counted one, and a correct result failed at 5+ ranks)
+    # subnormal each is an absolute error of its own, R of them that add up (counting one
+    # eta, a correct result fails at 5+ ranks)
     n_under = n_acc + (nranks - 1 if (average and half) else 0)
     absolute = (n_under * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
                 + n_ref * _UNDERFLOW["float64"])
