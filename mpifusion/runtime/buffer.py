@@ -22,7 +22,7 @@ State machine of a ``FusedCommBuffer`` (README, "State machine", says the same):
 Every check that can fail runs before anything is changed, so an error leaves grads,
 counters and buffers as they were: a check-in that starts communication checks first that
 it can (open buffer, a comm_group, nothing abandoned), and a ``NanInfError`` found then
-undoes the call (``_Undo``). Before anything is allocated, the ranks of comm_group
+undoes the call (``GradIntake._snapshot``/``_restore``, runtime/grads.py). Before anything is allocated, the ranks of comm_group
 check in one tiny collective that they build the same buffer (``health.check_agreement``).
 """
 from __future__ import annotations
@@ -39,7 +39,6 @@ from mpi4py import MPI
 from ..arrays import backend, cuda
 from ..comm import CommTask, Communicator
 from ..config import CommOptions
-from ..dtypes import as_dtype
 from ..comm import health
 from ..errors import (CheckInError, CommError, CommTimeoutError, GradError, LayoutError,
                      NanInfError, OptionError, StateError, error_context)
@@ -47,13 +46,14 @@ from ..plan.layout import ALIGNMENT_BYTES, plan_flat, plan_sharded
 from ..plan.actions import HOOK_ACTION, HookAction  # noqa: F401 (re-exported)
 from ..plan.grouping import grad_dtype_for
 from .checkin import CheckIn
+from .grads import GradIntake, GradSnapshot
 from .options import (BufferOptions, check_buffer_id, check_comm_group, check_switch,
                       dst_group_rank)
 from .param import Param
 from .sharded import ShardedParams
 from .storage import (build_reduce_scatter_buffer, check_has_data, check_trainable,
                       device_template, flatten_dense_tensors, grad_of, plan_or_raise, set_grad,
-                      slot_view, world_rank)
+                      world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -74,7 +74,7 @@ def _locked(method: Callable) -> Callable:
     return run
 
 
-class FusedCommBuffer(ShardedParams):
+class FusedCommBuffer(ShardedParams, GradIntake):
     """A group of same-dtype params whose grads are reduced together (Paddle's FusedCommBuffer).
 
     ``comm_group`` is an mpi4py communicator; the buffer talks on a private duplicate of it.
@@ -390,7 +390,7 @@ class FusedCommBuffer(ShardedParams):
             # this call checks the last param in and starts communication: refuse now what
             # comm_grads would refuse after the grad was added and counted
             if self._check_startable("add_grad") and self.options.check_naninf:
-                undo = _Undo(self, (param,))  # a NaN/Inf found then puts this call back
+                undo = self._snapshot((param,))  # a NaN/Inf found then puts this call back
         if steps or not self.options.release_grads:
             view = self._grad_view[name]  # accumulated into, whatever object is set
             given = grad_of(param, self.use_main_grad)
@@ -410,14 +410,14 @@ class FusedCommBuffer(ShardedParams):
         if done and use_comm and self._checkin.all_in:
             self._comm_grads_or_undo(undo)
 
-    def _comm_grads_or_undo(self, undo: Optional["_Undo"]) -> None:
+    def _comm_grads_or_undo(self, undo: Optional[GradSnapshot]) -> None:
         """Start communication after the last check-in; if it is refused before anything
         was started (NanInfError), put back what this call changed (``undo``)."""
         try:
             self.comm_grads()
         except Exception:
             if undo is not None and self._task is None:
-                undo.restore(self)
+                self._restore(undo)
             raise
 
     def _check_use_comm(self, value: Any, what: str) -> None:
@@ -482,7 +482,7 @@ class FusedCommBuffer(ShardedParams):
         undo = None
         if use_comm and names and self._checkin.count + len(names) == len(self._params):
             if self._check_startable("mark_unused") and self.options.check_naninf:
-                undo = _Undo(self, params)
+                undo = self._snapshot(params)
         for param in params:
             if self._checkin.steps[param.name] == 0:
                 if self.options.release_grads:
@@ -540,91 +540,6 @@ class FusedCommBuffer(ShardedParams):
         self._checkin.reset()
         if zero_grads and self.grad_storage is not None:
             self.grad_storage[...] = 0
-
-    def _unalias(self, param: Param, grad: Any) -> Any:
-        """A grad that *is* the param's own grad view (``add_grad(p, grad=p.grad)`` after
-        backward wrote into it) is already in place: None, so it is checked in without being
-        added again. One that overlaps the grad buffer any other way is refused."""
-        for own in (self._grad_view.get(param.name),
-                    backend.shared_array(grad_of(param, self.use_main_grad))):
-            if own is None:
-                continue
-            if backend.same_view(own, grad):
-                return None
-            if backend.overlaps(grad, own):
-                raise GradError(f"{self._where()}: param '{param.name}': grad overlaps part of "
-                                f"its own grad view; expected the view itself (already in "
-                                f"place) or a separate array")
-        storage = self.grad_storage
-        if storage is not None and backend.overlaps(grad, storage):
-            raise GradError(f"{self._where()}: param '{param.name}': grad lies in this "
-                            f"buffer's grad storage outside the param's own slot (another "
-                            f"param's grad?); expected a separate array")
-        return grad
-
-    def _check_grad(self, param: Param, grad: Any) -> Any:
-        # a TypeError is asarray's one way to say it cannot import grad
-        with error_context(f"{self._where()}: param '{param.name}': grad", TypeError,
-                           kind=GradError):
-            g = backend.asarray(grad)
-        if tuple(g.shape) != param.shape:
-            raise GradError(f"{self._where()}: param '{param.name}': grad shape expected "
-                            f"{param.shape}, got {tuple(g.shape)}")
-        if g.dtype != self._grad_dtype and g.dtype != as_dtype(param.dtype):
-            raise GradError(f"{self._where()}: param '{param.name}': grad dtype expected "
-                            f"{self._grad_dtype.name}, got {g.dtype}")
-        if backend.device_of(g) != param.device:
-            raise GradError(f"{self._where()}: param '{param.name}': grad device expected "
-                            f"{param.device}, got {backend.device_of(g)}")
-        return g
-
-    def _check_grad_moved(self, param: Param, given: Any) -> None:
-        """Raise unless ``given`` (the param's grad now, another object than the view it was
-        fused with) is that same view: same address, shape, dtype and strides (a torch
-        tensor over it is; a transposed or reshaped view at the same address is not)."""
-        fused = self._grad_view[param.name]
-        kind = "main_grad" if self.use_main_grad else "grad"
-        arr = backend.shared_array(given)
-        if arr is None or fused is None or backend.data_ptr(arr) != backend.data_ptr(fused):
-            raise GradError(
-                f"{self._where()}: param '{param.name}': the address of its {kind} changed "
-                f"since it was fused (expected the view into the grad buffer). Accumulate in "
-                f"place (g += x, g[...] = x) instead of rebinding it (g = g + x, clear_grad)")
-        if not backend.same_view(arr, fused):
-            raise GradError(
-                f"{self._where()}: param '{param.name}': its {kind} is at the address of its "
-                f"view but is not the view (shape {tuple(arr.shape)}, dtype {arr.dtype}, "
-                f"strides {arr.strides}; expected shape {tuple(fused.shape)}, dtype "
-                f"{fused.dtype}, strides {fused.strides}). Accumulate into the view itself "
-                f"(g[...] = x) instead of rebinding it to another view")
-
-    def _own_grad(self, param: Param) -> Any:
-        """release_grads: the param's own grad as an array, checked to fit its slot (before
-        anything is moved); a torch tensor with a lazy bit is resolved (read once)."""
-        own = grad_of(param, self.use_main_grad)
-        return None if own is None else self._check_grad(param, own)
-
-    def _copy_grad_to_buffer(self, param: Param, grad: Any) -> None:
-        """release_grads, first micro-step: move the param's own grad into a (new) buffer."""
-        own = self._own_grad(param)  # before anything is allocated or moved
-        if self.grad_storage is None or self._grads_are_shard:
-            # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
-            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, self._like)
-            self._grads_are_shard = False
-        link = not self.options.free_grads_in_comm
-        if self.options.act == HookAction.REDUCE_SCATTER:
-            view = self._sharding_param_grad_view[param.name].attach_grad_buffer(
-                self.grad_storage, link_param=False)
-        else:
-            view = slot_view(self.grad_storage, self.layout[param.name])
-        # a grad still viewing this very slot (grad buffer kept from the last step) is
-        # already in it: adding it again would count it twice
-        if own is not None and backend.data_ptr(own) != backend.data_ptr(view):
-            view += own.reshape(view.shape)
-        if grad is not None:
-            view += grad
-        set_grad(param, self.use_main_grad, view if link else None)
-        self._grad_view[param.name] = view if link else None
 
     # ------------------------------------------------------------------ communication
     def need_reduce_scale_sync(self) -> bool:
@@ -777,38 +692,3 @@ class FusedCommBuffer(ShardedParams):
     # Paddle's private names, for code ported from tensor_fusion_helper
     _clear_grad_storage = clear_grad_storage
     _reset_grad_storage = reset_grad_storage
-
-
-class _Undo:
-    """What ``add_grad``/``mark_unused`` change for some params (their grad slots, grad
-    references, the grad buffer they may allocate, the counters), kept so that a refusal of
-    the communication they start -- before it started (``NanInfError``) -- leaves everything
-    exactly as it was before the call. Taken only when that can happen (``check_naninf``):
-    it copies the params' slots."""
-
-    def __init__(self, buf: FusedCommBuffer, params: Sequence[Param]) -> None:
-        self.storage = buf.grad_storage
-        self.is_shard = buf._grads_are_shard
-        self.steps = dict(buf._checkin.steps)
-        self.count = buf._checkin.count
-        full = self.storage is not None and not self.is_shard
-        self.items = []
-        for p in params:
-            slot = buf.layout[p.name]
-            view = buf._sharding_param_grad_view.get(p.name)
-            self.items.append((
-                p, slot, grad_of(p, buf.use_main_grad), buf._grad_view[p.name],
-                None if view is None else (view, view.grad_buffer, view.slice_grad),
-                self.storage[slot.offset:slot.end].copy() if full else None))
-
-    def restore(self, buf: FusedCommBuffer) -> None:
-        for p, slot, grad, grad_view, sharding, values in self.items:
-            if values is not None:
-                self.storage[slot.offset:slot.end] = values
-            set_grad(p, buf.use_main_grad, grad)
-            buf._grad_view[p.name] = grad_view
-            if sharding is not None:
-                view, view.grad_buffer, view.slice_grad = sharding
-        buf.grad_storage = self.storage
-        buf._grads_are_shard = self.is_shard
-        buf._checkin.undo(self.steps, self.count)
