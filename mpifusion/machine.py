@@ -8,6 +8,8 @@ the sweeps.
 ``mpifusion tune`` measures instead of guessing and records the winner per machine type in a
 small JSON file that :func:`default_segment_bytes` prefers. Precedence, highest first:
 ``segment_bytes=``/``CommOptions``, ``$MPIFUSION_SEGMENT_BYTES``, the tune file, the rule.
+The tune file's location (``$MPIFUSION_TUNE_FILE``) is read here, not in config.py: config
+takes its default segment size from this module, which must not import config back.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import platform
 import secrets
 import stat
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .config import tune_file_from_env
+from .limits import loads_json, read_text
 
 MiB = 1 << 20
 #: when the cache sizes cannot be read
@@ -30,6 +32,8 @@ FALLBACK_SEGMENT_BYTES = 4 * MiB
 #: the rule's bounds: smaller segments pay per-call latency, larger ones leave the cache
 MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES = 2 * MiB, 16 * MiB
 TUNE_VERSION = 1
+#: where ``mpifusion tune`` records the segment size per machine type
+TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 
 
 def _parse_size(text: str) -> Optional[int]:
@@ -110,10 +114,18 @@ def segment_rule(sizes: Optional[Dict[str, int]] = None) -> int:
     return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, pow2))
 
 
-def tune_path() -> str:
-    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (default
-    ``~/.cache/mpifusion/tune.json``)."""
-    return tune_file_from_env()
+def tune_path(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (XDG's default:
+    ``~/.cache``; a relative ``$XDG_CACHE_HOME`` is ignored, as XDG says: it would name
+    another file in each folder a job starts in)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(TUNE_FILE_ENV, "").strip()
+    if not path:
+        cache = environ.get("XDG_CACHE_HOME", "").strip()
+        if not os.path.isabs(cache):
+            cache = os.path.join("~", ".cache")
+        path = os.path.join(cache, "mpifusion", "tune.json")
+    return os.path.expanduser(path)
 
 
 #: what a tune file may hold: a few machines' entries, and segment sizes ``tune`` can write
@@ -138,8 +150,6 @@ def _no_home(path: str) -> bool:
 def _load_tune(path: str) -> Tuple[Dict[str, Any], Optional[str]]:
     """``(content, None)``, ``({}, None)`` when the file is missing or empty, or ``({}, why it
     is no tune file this version reads)``."""
-    from .limits import loads_json, read_text
-
     if _no_home(path):
         return {}, _NO_HOME
     try:  # a regular file of bounded size and depth: /dev/zero or a FIFO would hang a job
