@@ -65,8 +65,9 @@ def spec_example() -> str:
     for page in pages():
         text = page.read_text(encoding="utf-8")
         heading = re.search(r"^#+ Command line\b", text, re.M)
-        if heading:
-            return re.search(r"```json\n(.*?)```", text[heading.start():], re.S).group(1)
+        block = heading and re.search(r"```json\n(.*?)```", text[heading.start():], re.S)
+        if block:
+            return block.group(1)
     raise LookupError("no page has a 'Command line' heading with a json block")
 
 

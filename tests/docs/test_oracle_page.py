@@ -1,6 +1,6 @@
-"""The README's "Use mpifusion as the oracle in your tests" blocks run as written (each as a
-script, with a hard timeout) and say what they promise; each is skipped where its framework
-is not installed."""
+"""The blocks of docs/oracle.md's "Use mpifusion as the oracle in your tests" run as written
+(each as a script, with a hard timeout) and say what they promise; each is skipped where its
+framework is not installed."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,9 +17,10 @@ SECTION = "## Use mpifusion as the oracle in your tests"
 
 
 def blocks() -> dict:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "oracle.md").read_text(encoding="utf-8")
     start = text.index(SECTION)
-    section = text[start:text.index("\n## ", start + len(SECTION))]
+    end = text.find("\n## ", start + len(SECTION))
+    section = text[start:end if end >= 0 else len(text)]
     found = {}
     for code in re.findall(r"```python\n(.*?)```", section, re.S):
         for name in ("torch", "paddle", "jax"):
@@ -38,7 +39,7 @@ def test_the_section_has_a_block_per_framework():
     ("paddle", r"^PASS: 4 params within the bound$"),
     ("jax", r"^PASS: 2 params within the bound$"),
 ])
-def test_readme_block_runs(tmp_path, framework, last):
+def test_oracle_block_runs(tmp_path, framework, last):
     if importlib.util.find_spec(framework) is None:
         pytest.skip(f"{framework} is not installed (pip install -e '.[{framework}]')")
     script = tmp_path / f"oracle_{framework}.py"
