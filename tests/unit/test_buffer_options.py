@@ -2,7 +2,7 @@
 mirror it, the buffer reads it, and the cross-rank agreement entries are derived from it, so
 an option added there is agreed on every rank without another list to update.
 
-Run as a script under ``mpiexec -n 2 python -m mpi4py`` this file is also the driver of
+Run as a script (``mpiexec -n 2 python -m mpi4py THIS_FILE FOLDER``) this file is also the driver of
 :func:`test_each_option_mismatch_is_refused_naming_it` (one job for every option).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 
 from mpifusion.errors import GradError, LayoutError, OptionError, error_context
 from mpifusion.runtime.options import SWITCHES, BufferOptions, option
+from tests.helpers import run_job
 
 #: options whose value may differ between ranks (each says why in its field metadata)
 PER_RANK = {"init_slice_param"}
@@ -146,19 +147,16 @@ def test_buffer_errors_keep_their_cause():
 
 
 # --------------------------------------------------------------------------- two ranks
-def test_each_option_mismatch_is_refused_naming_it():
+def test_each_option_mismatch_is_refused_naming_it(tmp_path):
     """Two ranks that differ in one option: AgreementError on both, naming that option and
     each rank's value; a per-rank option builds."""
-    from tests.helpers import run_job
-
-    proc = run_job(2, [sys.executable, "-m", "mpi4py", __file__], timeout=180,
+    proc = run_job(2, [sys.executable, "-m", "mpi4py", __file__, tmp_path], timeout=180,
                    env={"MPIFUSION_TIMEOUT": "60"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            seen[(record["rank"], record["option"])] = record
+    for rank in (0, 1):  # a file per rank: the launcher may interleave the ranks' stdout
+        for record in json.loads((tmp_path / f"rank{rank}.json").read_text()):
+            seen[(rank, record["option"])] = record
     cases = _cases(0)
     assert {name for _, name in seen} == set(cases)
     for name, (_, (v0, v1)) in cases.items():
@@ -173,14 +171,15 @@ def test_each_option_mismatch_is_refused_naming_it():
             assert f"{name} {v0!r} on rank 0; {name} {v1!r} on rank 1" in message, message
 
 
-def _driver() -> None:
-    """Each option in turn, different on the two ranks: what every rank got, one JSON line."""
+def _driver(folder: str) -> None:
+    """Each option in turn, different on the two ranks: what this rank got, in a JSON file."""
     from mpi4py import MPI
 
     from mpifusion import AgreementError, FusedCommBuffer
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    records = []
     for name, (kwargs, _) in _cases(rank).items():
         kwargs = {"act": "all_reduce", **kwargs}
         try:
@@ -188,9 +187,10 @@ def _driver() -> None:
             outcome, message = "built", ""
         except AgreementError as exc:
             outcome, message = "AgreementError", str(exc)
-        print(json.dumps({"rank": rank, "option": name, "outcome": outcome,
-                          "message": message}), flush=True)
+        records.append({"option": name, "outcome": outcome, "message": message})
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump(records, f)
 
 
 if __name__ == "__main__":
-    _driver()
+    _driver(sys.argv[1])
