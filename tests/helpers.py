@@ -83,6 +83,15 @@ def run_cli(capsys, *argv: str) -> tuple:
     return code, out, err
 
 
+def one_line_error(err: str, command: str) -> str:
+    """The one line ``mpifusion COMMAND`` printed on stderr for bad input (no traceback)."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"mpifusion {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
 def free_ports(count: int) -> int:
     """A base port with ``count`` free ports after it (Paddle's gloo endpoints)."""
     for _ in range(50):
@@ -105,7 +114,7 @@ def free_ports(count: int) -> int:
 @pytest.fixture(autouse=True)
 def private_tune_file(tmp_path, monkeypatch):
     """Never read or write the user's real tune file (autouse where a test module imports
-    it: tests/unit/test_machine.py, test_tune_redteam.py)."""
+    it: tests/tools/test_tune_file.py)."""
     path = tmp_path / "tune.json"
     monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
     monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)

@@ -1,7 +1,10 @@
-"""``mpifusion layout``: the printed plan is what the core builds."""
+"""``mpifusion layout``: the printed plan is what the core builds, and hostile spec files
+(FIFOs, deep JSON, a billion ranks) are one line and exit 2 at once."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from mpifusion import Param, assign_group_by_size, fused_parameters
 from mpifusion.plan.layout import plan_sharded
 from mpifusion.presets import get_preset
 
-from tests.helpers import run_cli
+from tests.helpers import one_line_error, run_cli, run_cmd
 
 MiB = 1024 * 1024
 
@@ -127,7 +130,7 @@ def test_compare_with_their_layout(capsys, tmp_path):
     (["--act", "reduce_scatter"], "nranks: reduce_scatter needs"),
     (["--spec", "/nonexistent/spec.json"], "/nonexistent/spec.json: cannot read"),
     (["--layout", "/nonexistent/theirs.json"], "/nonexistent/theirs.json: cannot read"),
-    # found by a red-team review: --dst -1 quietly meant rank 0
+    # before: --dst -1 quietly meant rank 0
     (["--act", "reduce", "--dst", "-1"], "--dst: expected a rank >= 0, got -1"),
     (["--act", "reduce", "--nranks", "4", "--dst", "4"],
      "--dst: expected a rank in [0, 4) (--nranks 4), got 4"),
@@ -169,9 +172,6 @@ def test_layout_json_matches_buffers_built_under_mpi(comm, capsys):
             assert row["offset"] == buf.layout[p.name].offset
             piece = buf.layout.slice_of(p.name, rank)
             assert row["slices"][rank] == (list(piece) if piece else None)
-
-
-# ------------------------------------------------------------------ --layout: hostile THEIRS
 
 
 def _ours(capsys, *argv: str) -> dict:
@@ -355,3 +355,34 @@ def test_non_string_name_under_mpiexec_is_one_line_and_exit_2(tmp_path):
     assert [line for line in res.stderr.splitlines() if line.strip()] == [
         f"mpifusion layout: error: {path}: buffers[0].params[0].name: expected a string, "
         f"got list"]
+
+
+# ------------------------------------------------------------------------------ hostile spec files
+
+
+def test_layout_spec_fifo_does_not_block(tmp_path):
+    os.mkfifo(tmp_path / "spec.json")
+    res = run_cmd([sys.executable, "-m", "mpifusion", "layout", "--spec",
+                   str(tmp_path / "spec.json")], timeout=60)
+    assert res.returncode == 2 and "not a regular file (a FIFO)" in res.stderr
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"params": [{"name": "w", "shape": [' + "9" * 5000 + '], "dtype": "fp32"}]}',
+     "5000 digits"),
+    ("[" * 100000 + "]" * 100000, "nested 100000 deep"),
+])
+def test_layout_hostile_json_exits_2(capsys, tmp_path, text, words):
+    path = tmp_path / "hostile.json"
+    path.write_text(text)
+    code, _, err = run_cli(capsys, "layout", "--spec", str(path))
+    assert code == 2 and words in one_line_error(err, "layout")
+    code, _, err = run_cli(capsys, "layout", "--layout", str(path))
+    assert code == 2 and words in one_line_error(err, "layout")
+
+
+def test_layout_with_a_billion_ranks_is_refused_at_once(capsys):
+    code, _, err = run_cli(capsys, "layout", "--act", "reduce_scatter", "--nranks",
+                           "1000000000")
+    line = one_line_error(err, "layout")
+    assert code == 2 and "nranks 1000000000" in line and "at most" in line

@@ -1,16 +1,19 @@
 """``mpifusion run``: the job passes on a correct core, fails on a broken one, and exits 2
-(every rank, one message) on bad input."""
+(every rank, one message) on bad input: bounds, huge specs, timeouts given to one rank only,
+running out of memory mid-run."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from mpifusion.runtime.buffer import FusedCommBuffer
-from mpifusion.tools.runjob import RunOptions, run_job
 from mpifusion.spec import Spec
+from mpifusion.tools.runjob import RunOptions
 
-from tests.helpers import mpiexec
+from tests.forge import write_spec
+from tests.helpers import mpiexec, one_line_error, run_cli, run_job
 
 
 def _passed(proc) -> str:
@@ -43,7 +46,7 @@ def test_default_run_at_8_ranks():
 @pytest.mark.parametrize("n, argv, needle", [
     (3, ["--preset", "nope"], "unknown preset 'nope'"),
     (2, ["--act", "reduce", "--dst", "5"], "--dst: expected a rank of this job, in [0, 2)"),
-    # found by a red-team review: --dst -1 quietly meant rank 0, and a --dst past the job's
+    # before: --dst -1 quietly meant rank 0, and a --dst past the job's
     # ranks was accepted when the act has no root
     (2, ["--act", "reduce", "--dst", "-1"],
      "--dst: expected a rank of this job, in [0, 2) (2 rank(s)), got -1"),
@@ -67,9 +70,6 @@ def test_spec_for_other_rank_count_exits_2(tmp_path):
     proc = mpiexec(2, "run", "--spec", str(spec))
     assert proc.returncode == 2
     assert proc.stderr.count(f"{spec}: nranks: the spec says 4 ranks, but the job has 2") == 1
-
-
-# ------------------------------------------------------------------ in-process, under mpiexec
 
 
 def _spec(act: str = "all_reduce", **kw) -> Spec:
@@ -151,3 +151,67 @@ def test_run_refuses_a_spec_that_asks_for_the_sum(tmp_path, average, code):
     if code == 2:
         assert proc.stderr.count(f"{spec}: average: run always averages") == 1, proc.stderr
         assert "PASS" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_run_acc_steps_beyond_the_bound_exits_2(n):
+    res = mpiexec(n, "run", "--acc-steps", "100000000", "--no-progress", timeout=240)
+    line = one_line_error(res.stderr, "run")
+    assert res.returncode == 2 and "acc_steps 100000000" in line and "at most" in line
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_run_with_a_1e12_element_spec_says_how_much_memory(tmp_path, n):
+    spec = write_spec(tmp_path / "spec.json", (10 ** 12,), nranks=n)
+    res = mpiexec(n, "run", "--spec", spec, "--no-progress", timeout=240)
+    line = one_line_error(res.stderr, "run")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "needs about" in line and "per rank" in line and "available" in line
+
+
+def _run_with_timeout(n: int, value: str):
+    return run_job(n, [sys.executable, "-m", "mpifusion", "run", "--steps", "1",
+                       "--no-progress"], timeout=240, env={"MPIFUSION_TIMEOUT": value})
+
+
+@pytest.mark.parametrize("n, value", [(2, "inf"), (3, "inf"), (8, "inf"), (2, "1e300")])
+def test_run_with_an_infinite_timeout_passes(n, value):
+    res = _run_with_timeout(n, value)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "OverflowError" not in res.stderr and res.stdout.strip().splitlines()[-1].startswith(
+        "PASS")
+
+
+@pytest.mark.parametrize("n, value", [(2, "nan"), (3, "nan"), (8, "nan"), (2, "-1"),
+                                      (2, "0"), (2, "abc")])
+def test_run_with_a_bad_timeout_exits_2_naming_the_variable(n, value):
+    res = _run_with_timeout(n, value)
+    line = one_line_error(res.stderr, "run")
+    assert res.returncode == 2 and "MPIFUSION_TIMEOUT" in line
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_run_with_a_bad_timeout_on_one_rank_only_exits_2_everywhere(n):
+    """MPMD: the last rank alone has MPIFUSION_TIMEOUT=nan; every rank exits 2, rank 0 prints
+    the last rank's error once."""
+    cli = [sys.executable, "-m", "mpifusion", "run", "--steps", "1", "--no-progress"]
+    res = run_job(n - 1, [*cli, ":", "-n", "1", "env", "MPIFUSION_TIMEOUT=nan", *cli],
+                  timeout=240)
+    line = one_line_error(res.stderr, "run")
+    assert res.returncode == 2 and f"rank {n - 1}: MPIFUSION_TIMEOUT" in line
+
+
+def test_run_out_of_memory_mid_run_is_one_line(capsys, monkeypatch):
+    """Past the estimate checked before building (one rank here: no abort needed)."""
+    import mpifusion.tools.runjob as runjob
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(runjob, "run_job", no_memory)
+    code, _, err = run_cli(capsys, "run", "--steps", "1", "--no-progress")
+    line = one_line_error(err, "run")
+    assert code == 2 and "rank 0: out of memory" in line

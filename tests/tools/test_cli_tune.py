@@ -1,6 +1,6 @@
 """``mpifusion tune``: bad input is one line on stderr and exit 2 (no traceback, on every
-rank), and only segment sizes the buffer can be cut into are timed. Found by a red-team
-review: ``--mb inf``/``1e12`` and ``--dtype int32`` crashed with tracebacks, and ``--mb 1``
+rank), and only segment sizes the buffer can be cut into are timed. Before:
+``--mb inf``/``1e12`` and ``--dtype int32`` crashed with tracebacks, and ``--mb 1``
 timed 2-32 MiB segments of a 1 MiB buffer (the "best" was the whole buffer)."""
 from __future__ import annotations
 

@@ -1,13 +1,23 @@
+"""Spec files and ``Spec``: fields, defaults, errors naming the field, presets, and hostile
+files (FIFOs, deep nesting, huge integers, random JSON) that are one-line spec errors.
+"""
+from __future__ import annotations
+
 import copy
 import dataclasses
 import json
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpifusion.limits import open_regular
 from mpifusion.presets import PRESETS, PresetError
-from mpifusion.spec import DEFAULT_GROUP_SIZE, ParamSpec, Spec, SpecError, load_spec, normalize_dtype
+from mpifusion.spec import (DEFAULT_GROUP_SIZE, ParamSpec, Spec, SpecError, load_spec,
+                            normalize_dtype)
+
+from tests.forge import FUZZ, refused_without_blocking
 
 BASE = {
     "params": [
@@ -253,16 +263,22 @@ def test_from_preset_overrides():
         Spec.from_preset("nope")
 
 
-# --- fuzzing: whatever JSON comes in, the only failure mode is a one-line SpecError ---
-
 json_scalars = st.none() | st.booleans() | st.integers(-5, 10) | st.floats(allow_nan=False) | st.text(max_size=8)
+
+
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
+
+
 PARAM_FLAGS = ["trainable", "stop_gradient", "is_distributed", "need_clip", "decay"]
+
+
 param_keys = st.sampled_from(["name", "shape", "dtype", *PARAM_FLAGS, "bogus"])
+
+
 top_keys = st.sampled_from(["params", "act", "nranks", "group_size", "use_main_grad", "acc_steps", "dst",
                             "average", "bogus"])
 
@@ -331,3 +347,60 @@ def test_fuzz_one_field_corrupted(d, data):
 @given(st.dictionaries(top_keys, json_values, max_size=9))
 def test_fuzz_random_top_level(d):
     check_total(d)
+
+
+# ------------------------------------------------------------------------------ hostile spec files
+
+
+def test_spec_and_layout_files_must_be_regular(tmp_path):
+    fifo = tmp_path / "spec.json"
+    os.mkfifo(fifo)
+    exc = refused_without_blocking(lambda: load_spec(str(fifo)))
+    assert isinstance(exc, SpecError) and "not a regular file (a FIFO)" in str(exc)
+    exc = refused_without_blocking(lambda: open_regular("/dev/zero"))
+    assert isinstance(exc, OSError) and "character device" in str(exc)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"params": [{"name": "w", "shape": [' + "9" * 5000 + '], "dtype": "fp32"}]}',
+     "5000 digits"),
+    ("[" * 5000 + "]" * 5000, "nested 5000 deep"),
+    ('{"params": [{"name": "w", "shape": [1099511627776, 1099511627776], "dtype": "fp32"}]}',
+     "2**59 elements"),
+    ('{"params": [{"name": "w", "shape": [3], "dtype": "fp32"}], "acc_steps": '
+     '99999999999999999999}', "acc_steps"),
+])
+def test_hostile_spec_files_are_one_line_spec_errors(tmp_path, text, words):
+    path = tmp_path / "spec.json"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(str(path))
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert str(info.value).startswith(str(path))
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10 ** 30), 10 ** 30) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["params", "name", "shape", "dtype", "act", "nranks", "acc_steps",
+                         "group_size", "dst", "average", "x"]), inner, max_size=5),
+    max_leaves=30)
+
+
+@FUZZ
+@given(doc=_JSON, depth=st.integers(0, 300), digits=st.integers(1, 6000))
+def test_fuzzed_spec_json_is_a_spec_or_one_line_spec_error(tmp_path_factory, doc, depth,
+                                                         digits):
+    """Random JSON documents, wrapped in ``depth`` lists, and specs with a ``digits``-digit
+    size: a Spec or a one-line SpecError, never another exception."""
+    folder = tmp_path_factory.mktemp("spec")
+    texts = ["[" * depth + json.dumps(doc) + "]" * depth,
+             '{"params": [{"name": "w", "shape": [' + "7" * digits + '], "dtype": "fp32"}]}']
+    for i, text in enumerate(texts):
+        path = folder / f"spec{i}.json"
+        path.write_text(text)
+        try:
+            load_spec(str(path))
+        except SpecError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith(str(path))

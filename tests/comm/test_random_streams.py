@@ -10,7 +10,7 @@ the wrong piece all show up as wrong bits. (With the engine no longer keeping a 
 alive until it landed -- the bug found under Open MPI -- this fails at 2, 3 and 4 ranks there;
 MPICH reuses the freed memory less eagerly and passed.)
 
-Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_mpi_random_streams.py``.
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/comm/test_random_streams.py``.
 """
 import random
 import time

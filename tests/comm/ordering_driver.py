@@ -1,4 +1,4 @@
-"""Driver of tests/faults/test_ordering.py: one job, argv = scenario [strategy].
+"""Driver of tests/comm/test_engine_order.py: one job, argv = scenario [strategy].
 
 Scenarios that must end well print ``rank R: <check> ok`` per check; the others print what
 they caught. Values are dyadic, so sums over <= 8 ranks are exact in fp32 and every result

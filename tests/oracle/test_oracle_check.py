@@ -1,21 +1,26 @@
 """``mpifusion.oracle.check`` as a library: in-memory and file dumps, any shard layout given by
 ``range/{name}`` (FSDP2 dim-0, ZeRO flat partitions, Megatron buffer shards), gaps and
-overlaps, the param all-gather, REDUCE off the root, the report and the pytest helpers.
+overlaps, the param all-gather, REDUCE off the root, the report and the pytest helpers; and
+the inputs it must refuse or note rather than pass (raw two-byte values, bounds too coarse,
+inputs sharing memory with a result, keys of unfused params, odd rank and step names).
 
-References are independent: fp32 numpy sums computed here, cut by layouts computed here."""
+References are independent: fp32 numpy sums computed here, cut by layouts computed here.
+"""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 import textwrap
+import zipfile
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifusion.errors import FusionError, OracleMismatch
-from mpifusion.oracle import (DumpError, assert_matches_reference, check)
+from mpifusion.errors import FusionError, OptionError, OracleMismatch
+from mpifusion.oracle import assert_matches_reference, check, error_bound
+from mpifusion.oracle.dumps import DumpError
 
 SHAPES = {"emb": (37, 5), "w": (7, 3), "b": (13,), "odd": (3, 1, 11)}
 
@@ -459,3 +464,383 @@ def test_nranks_from_the_records_when_the_spec_has_none():
     records = ({**_inputs(g), **{f"out/{n}": result[n] for n in SHAPES}} for g in grads)
     report = check(spec, records)  # a generator of records works too
     assert report.ok and report.spec.nranks == 3 and "3 rank(s)" in str(report)
+
+
+# -------------------------------------------------- values, bounds and keys it must refuse or note
+
+
+BF16 = ml_dtypes.bfloat16
+
+
+def spec_of(dtype="float32", nranks=2, shape=(3,), **kw):
+    return {"params": [{"name": "w", "shape": list(shape), "dtype": dtype}], "nranks": nranks,
+            **kw}
+
+
+def test_raw_two_byte_values_of_an_fp16_param_are_refused_not_read_as_bf16():
+    a = np.array([1.0, 2.0, 3.0], np.float16)
+    # a wrong fp16 result built to look right when its bytes are read as bfloat16
+    fake = (a.view(BF16).astype(np.float32) * 2).astype(BF16).view(np.uint16)
+    for raw in (fake.view("V2"), fake):
+        with pytest.raises(DumpError, match=r"out/w: dtype .*raw 2-byte .*spec says float16"):
+            check(spec_of("float16"), [{"in/w/0": a, "out/w": raw}] * 2)
+
+
+def test_raw_two_byte_values_in_an_npz_of_an_fp32_param_are_refused(tmp_path):
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    for r in range(2):
+        np.savez(tmp_path / f"rank{r}.npz", **{"in/w/0": x,
+                                              "out/w": (2 * x).astype(BF16).view("V2")})
+    with pytest.raises(DumpError, match=r"rank0.npz: out/w: dtype .*spec says float32"):
+        check(spec_of(), str(tmp_path))
+
+
+def test_raw_two_byte_values_of_a_bf16_param_are_still_read():
+    x = np.array([1.0, 2.0, 3.0], np.float32).astype(BF16)
+    out = (2 * x.astype(np.float32)).astype(BF16)
+    report = check(spec_of("bfloat16"),
+                   [{"in/w/0": x.view("V2"), "out/w": out.view(np.uint16)}] * 2)
+    assert report.ok, report
+
+
+def test_a_bound_that_would_pass_zero_is_refused():
+    rng = np.random.default_rng(0)
+    k = 128
+    x = rng.uniform(0.5, 1, (2, k, 3)).astype(BF16)
+    recs = [{**{f"in/w/{s}": x[r, s] for s in range(k)}, "out/w": np.zeros(3, BF16)}
+            for r in range(2)]
+    with pytest.raises(OptionError, match="even 0 would pass"):
+        check(spec_of("bfloat16", acc_steps=k, average=True), recs)
+
+
+def test_a_bound_too_coarse_to_see_one_lost_input_says_so():
+    rng = np.random.default_rng(1)
+    k = 16
+    x = rng.uniform(0.5, 1, (2, k, 3)).astype(BF16)
+    # one rank's last micro-step left out of the result: within this (worst-case) bound
+    wrong = (x.astype(np.float64).sum(axis=(0, 1)) - x[1, -1].astype(np.float64)) / 2
+    recs = [{**{f"in/w/{s}": x[r, s] for s in range(k)}, "out/w": wrong.astype(BF16)}
+            for r in range(2)]
+    report = check(spec_of("bfloat16", acc_steps=k, average=True), recs)
+    assert report.ok  # the worst-case bound cannot tell, and the report says so
+    assert any("missing one rank's or one micro-step's gradient may pass" in n
+               for n in report.notes), report.notes
+    assert "note: bfloat16 grads: the bound allows" in str(report)
+    assert report.to_json()["notes"] == report.notes
+    # fp32 at 2 ranks has no such note
+    y = rng.uniform(0.5, 1, (2, 3)).astype(np.float32)
+    fine = check(spec_of(), [{"in/w/0": y[r], "out/w": y.sum(axis=0)} for r in range(2)])
+    assert fine.ok and not fine.notes
+
+
+def test_a_spec_without_fused_params_is_refused():
+    spec = {"params": [{"name": "w", "shape": [3], "dtype": "float32", "stop_gradient": True}],
+            "nranks": 2, "average": True}
+    recs = [{"in/w/0": np.ones(3, np.float32) * (r + 1), "out/w": np.full(3, 123.0, np.float32)}
+            for r in range(2)]
+    with pytest.raises(DumpError, match="no param is fused.*nothing to check"):
+        check(spec, recs)
+
+
+def test_keys_of_unfused_params_are_named_as_not_checked():
+    spec = {"params": [{"name": "w", "shape": [3], "dtype": "float32"},
+                       {"name": "frozen", "shape": [2], "dtype": "float32",
+                        "stop_gradient": True}], "nranks": 2}
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    recs = [{"in/w/0": x, "out/w": 2 * x, "out/frozen": np.full(2, 99.0, np.float32)}] * 2
+    report = check(spec, recs)
+    assert report.ok and any("out/frozen" in n and "not checked" in n for n in report.notes)
+
+
+def test_a_duplicate_npz_member_is_refused(tmp_path):
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    for r in range(2):
+        path = tmp_path / f"rank{r}.npz"
+        np.savez(path, **{"in/w/0": x, "out/w": 2 * x})
+        with pytest.warns(UserWarning, match="Duplicate name"):  # zipfile says so, and writes
+            with zipfile.ZipFile(path, "a") as z, z.open("out/w.npy", "w") as f:
+                np.lib.format.write_array(f, np.zeros(3, np.float32))
+    with pytest.raises(DumpError, match=r"out/w: not a valid .npz \(two members"):
+        check(spec_of(), str(tmp_path))
+    assert np.load(tmp_path / "rank0.npz")["out/w"].tolist() == [0, 0, 0]  # what numpy shows
+
+
+def test_inputs_sharing_memory_with_a_result_are_refused():
+    grads = [np.array([1.0, 2, 3], np.float32), np.array([5.0, 6, 7], np.float32)]
+    recs = [{"in/w/0": g, "out/w": g} for g in grads]
+    for g in grads:  # an in-place all-reduce that got it wrong, inputs overwritten
+        g[:] = [100, 200, 300]
+    with pytest.raises(DumpError, match=r"in/w/0: shares memory with out/w .*copies"):
+        check(spec_of(average=True), recs)
+    # a view of another rank's result is caught too
+    buf = np.zeros(6, np.float32)
+    with pytest.raises(DumpError, match="shares memory"):
+        check(spec_of(), [{"in/w/0": buf[:3], "out/w": np.ones(3, np.float32)},
+                          {"in/w/0": np.ones(3, np.float32), "out/w": buf[1:4]}])
+
+
+def test_interleaved_views_of_one_buffer_do_not_share_memory():
+    buf = np.arange(12, dtype=np.float32)
+    ins, outs = buf[0::2][:3], buf[1::2][:3]   # spans overlap, elements do not
+    ins[:] = [1, 2, 3]
+    outs[:] = [2, 4, 6]
+    other = np.array([1.0, 2, 3], np.float32)
+    report = check(spec_of(), [{"in/w/0": ins, "out/w": outs},
+                               {"in/w/0": other, "out/w": outs.copy()}])
+    assert report.ok, report
+
+
+def test_identical_inputs_of_a_mean_and_zero_inputs_are_noted():
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    same = check(spec_of(average=True), [{"in/w/0": x.copy(), "out/w": x.copy()}
+                                         for _ in range(2)])
+    assert same.ok and any("every rank fed the same inputs" in n for n in same.notes)
+    zero = check(spec_of(), [{"in/w/0": np.zeros(3, np.float32),
+                              "out/w": np.zeros(3, np.float32)} for _ in range(2)])
+    assert zero.ok and any("every input is 0" in n for n in zero.notes)
+    # a sum of identical inputs reveals a skipped reduction, not inputs that were recorded
+    # already reduced (a data-parallel hook ahead of the capture's): noted too
+    total = check(spec_of(), [{"in/w/0": x.copy(), "out/w": 2 * x} for _ in range(2)])
+    assert total.ok and any("after a reduction" in n for n in total.notes), total.notes
+    differ = check(spec_of(), [{"in/w/0": x * (r + 1), "out/w": 3 * x} for r in range(2)])
+    assert differ.ok and not differ.notes
+
+
+def test_values_and_arguments_of_the_wrong_kind():
+    x = np.ones(3, np.float32)
+    for bad in (None, "1,2,3", {"a": 1}):
+        with pytest.raises(DumpError, match=r"rank 0 \(in memory\): out/w: expected an array"):
+            check(spec_of(), [{"in/w/0": x, "out/w": bad}, {"in/w/0": x, "out/w": 2 * x}])
+    with pytest.raises(DumpError, match="dumps: expected a directory"):
+        check(spec_of(), b"/tmp")
+    with pytest.raises(DumpError, match="reduce_avg: expected True or False, got 'no'"):
+        check(spec_of(), [{"in/w/0": x, "out/w": 2 * x}] * 2, reduce_avg="no")
+
+
+def test_a_not_convertible_value_names_its_key_once():
+    class Bad:
+        def __array__(self, *a, **k):
+            raise RuntimeError("on a device")
+
+    x = np.ones(3, np.float32)
+    with pytest.raises(DumpError) as err:
+        check(spec_of(), [{"in/w/0": x, "out/w": Bad()}, {"in/w/0": x, "out/w": 2 * x}])
+    assert str(err.value).count("rank 0 (in memory): out/w") == 1, str(err.value)
+
+
+# --------------------------------------------- half averages, rank orders, names and shared memory
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("nranks", [5, 8, 16])
+def test_prescaled_half_average_in_the_subnormal_range_passes(dtype, nranks):
+    """Paddle's (and FusedCommBuffer's) scale_after_comm=False on fp16/bf16 grads: every rank
+    multiplies its buffer by fp32(1/R) in fp32 and rounds to the half dtype, then the ranks
+    sum in fp32, rounded once. Where the scaled grads are subnormal, each rank's rounding is
+    an absolute error of up to half the smallest subnormal, R of them; the bound's eta
+    counted one, so a correct result failed (up to 4x the bound at 8 ranks)."""
+    import ml_dtypes
+
+    half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    tiny = float(np.finfo(half).smallest_subnormal)
+    rng = np.random.default_rng(nranks)
+    xs = [(rng.integers(1, 12, 64) * tiny).astype(half) for _ in range(nranks)]
+    scale = np.float32(1.0 / nranks)
+    pre = [(x.astype(np.float32) * scale).astype(half) for x in xs]  # mpifusion's scale_
+    out = np.sum([p.astype(np.float32) for p in pre], axis=0, dtype=np.float32).astype(half)
+    spec = spec_of(dtype, nranks, shape=(64,), average=True)
+    raw = (lambda a: a.view(np.uint16)) if dtype == "bfloat16" else (lambda a: a)
+    report = check(spec, [{"in/w/0": raw(x), "out/w": raw(out)} for x in xs])
+    assert report.ok, report
+    # still the bound of a few roundings: one subnormal step more on every element fails
+    worse = (out.astype(np.float32) + np.float32(nranks * tiny)).astype(half)
+    assert not check(spec, [{"in/w/0": raw(x), "out/w": raw(worse)} for x in xs]).ok
+
+
+def _sequential(values, order):
+    s = 0.0
+    for i in order:
+        s = s + values[i]
+    return s
+
+
+def test_float64_sum_in_another_rank_order_passes():
+    """For float64 grads the reference (a float64 sum in rank order) rounds as often as the
+    implementation does: a correct sum in another order was up to 1.33x the bound at 4
+    ranks. The bound now counts the reference's own roundings."""
+    x = [2.0 ** -53, 2.0 ** -52, 1.0, -float.fromhex("0x1.ffffffffffff8p-54")]
+    out = _sequential(x, (0, 2, 3, 1))  # an MPI library's order
+    report = check(spec_of("float64", 4, shape=(1,)),
+                   [{"in/w/0": np.array([v]), "out/w": np.array([out])} for v in x])
+    assert report.ok, report
+    # every permutation of a 4-rank sum, on values built to round both ways
+    rng = np.random.default_rng(7)
+    import itertools
+
+    for _ in range(200):
+        v = [1.0] + [float(rng.choice([-1, 1]) * 2.0 ** -53 * rng.choice([1, 2, 3])
+                           * (1 + int(rng.integers(-3, 4)) * 2.0 ** -50)) for _ in range(3)]
+        rng.shuffle(v)
+        for avg in (False, True):
+            spec = spec_of("float64", 4, shape=(1,), average=avg)
+            for order in itertools.permutations(range(4)):
+                out = _sequential(v, order) * (0.25 if avg else 1.0)
+                recs = [{"in/w/0": np.array([a]), "out/w": np.array([out])} for a in v]
+                assert check(spec, recs).ok, (v, order, avg)
+
+
+def test_one_rank_one_step_sum_is_still_bit_exact():
+    assert error_bound(np.array([1.0]), grad_dtype="float64", nranks=1, acc_steps=1,
+                       average=False)[0] == 0.0
+    x = np.array([0.1, 0.2])
+    assert not check(spec_of("float64", 1, shape=(2,)),
+                     [{"in/w/0": x, "out/w": np.nextafter(x, 1)}]).ok
+
+
+def test_memoryview_inputs_sharing_memory_with_a_result_are_refused():
+    """The aliasing refusal looked at numpy arrays only: an input handed over as any other
+    array-like sharing the result's memory (here a memoryview; a torch tensor below) was
+    read after the in-place collective had overwritten it, and a sum-instead-of-mean
+    passed."""
+    grads = [np.array([1.0, 2, 3], np.float32), np.array([5.0, 6, 7], np.float32)]
+    recs = [{"in/w/0": memoryview(g), "out/w": g} for g in grads]
+    for g in grads:
+        g[:] = [6, 8, 10]  # summed, not averaged
+    with pytest.raises(DumpError, match=r"in/w/0: shares memory with out/w"):
+        check(spec_of(average=True), recs)
+
+
+def test_torch_tensor_inputs_sharing_memory_with_a_result_are_refused():
+    torch = pytest.importorskip("torch")
+    grads = [torch.tensor([1.0, 2, 3]), torch.tensor([5.0, 6, 7])]
+    recs = [{"in/w/0": g, "out/w": g} for g in grads]
+    for g in grads:  # an in-place all-reduce that summed instead of averaging
+        g[:] = torch.tensor([6.0, 8, 10])
+    with pytest.raises(DumpError, match=r"in/w/0: shares memory with out/w"):
+        check(spec_of(average=True), recs)
+    # numpy input, torch result of the same memory
+    arrays = [np.array([1.0, 2, 3], np.float32), np.array([5.0, 6, 7], np.float32)]
+    recs = [{"in/w/0": a, "out/w": torch.from_numpy(a)} for a in arrays]
+    for a in arrays:
+        a[:] = [6, 8, 10]
+    with pytest.raises(DumpError, match="shares memory"):
+        check(spec_of(average=True), recs)
+    # copies pass (and a wrong mean still fails)
+    xs = [torch.tensor([1.0, 2, 3]), torch.tensor([5.0, 6, 7])]
+    good = [{"in/w/0": x.clone(), "out/w": (xs[0] + xs[1]) / 2} for x in xs]
+    assert check(spec_of(average=True), good).ok
+    bad = [{"in/w/0": x.clone(), "out/w": xs[0] + xs[1]} for x in xs]
+    assert not check(spec_of(average=True), bad).ok
+
+
+@pytest.mark.parametrize("k", ["\u00b2", "1" * 5000])
+def test_a_micro_step_key_of_odd_digits_is_one_line(tmp_path, capsys, k):
+    """``in/w/²`` ('²'.isdigit() is True, int('²') raises) and a 5000-digit micro-step
+    (int() refuses more than 4300 digits) crashed the check with a ValueError traceback,
+    exit 1 (the FAIL code), instead of bad input (exit 2, one line)."""
+    from mpifusion.tools.cli import main
+
+    x = np.ones(3, np.float32)
+    recs = [{"in/w/0": x, f"in/w/{k}": x, "out/w": 2 * x}] * 2
+    with pytest.raises(DumpError, match=r"in/w/.*micro-step"):
+        check(spec_of(), recs)
+    for r in range(2):
+        np.savez(tmp_path / f"rank{r}.npz", **recs[r])
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(spec_of()))
+    assert main(["check", "--spec", str(spec), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "micro-step" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_rank_file_named_with_non_ascii_digits_is_not_a_rank(tmp_path):
+    """``rank1\u0663.npz`` matched the rank pattern (``\\d`` takes any Unicode digit) and was
+    read as rank 13: the error named a file ``rank13.npz`` that does not exist."""
+    x = np.ones(3, np.float32)
+    for r in range(2):
+        np.savez(tmp_path / f"rank{r}.npz", **{"in/w/0": x, "out/w": 2 * x})
+    np.savez(tmp_path / "rank1\u0663.npz", **{"in/w/0": x, "out/w": 2 * x})
+    assert check(spec_of(), str(tmp_path)).ok  # not a rank file: ignored like notes.txt
+
+
+@pytest.mark.parametrize("act", ["all_reduce", "reduce_scatter"])
+def test_an_empty_param_gather_is_not_called_missing(act):
+    """A 0-element param's shards (shape (0,), range [0, 0)) were given on every rank, but
+    the check said 'shard/e: missing on every rank' and refused a correct dump."""
+    spec = {"params": [{"name": "e", "shape": [0], "dtype": "float32"},
+                       {"name": "w", "shape": [4], "dtype": "float32"}], "nranks": 2, "act": act}
+    full = np.arange(4, dtype=np.float32)
+    recs = [{"shard/e": np.zeros(0, np.float32), "param/e": np.zeros(0, np.float32),
+             "range/e": np.array([0, 0]), "shard/w": full[2 * r:2 * r + 2], "param/w": full,
+             "range/w": np.array([2 * r, 2 * r + 2])} for r in range(2)]
+    report = check(spec, recs)
+    assert report.ok, report
+    # the real param is still checked
+    recs[1]["param/w"] = full[::-1].copy()
+    assert not check(spec, recs).ok
+
+
+def test_shards_that_hold_only_padding_are_a_gap_not_missing():
+    """Paddle's cut of a 3-element fp32 param over 2 ranks gives rank 1 only padding; a dump
+    of rank 1's shard alone was refused as 'missing on every rank' (it is there, and holds
+    none of the param: a gap)."""
+    spec = {"params": [{"name": "w", "shape": [3], "dtype": "float32"}], "nranks": 2,
+            "act": "reduce_scatter"}
+    from mpifusion.spec import Spec
+
+    lay = {p.name: b.layout for b in Spec.from_dict(spec).plan(2) for p in b.params}["w"]
+    lo, hi = lay.slice_of("w", 1)
+    recs = [{}, {"shard/w": np.zeros(hi - lo, np.float32), "param/w": np.ones(3, np.float32)}]
+    report = check(spec, recs)
+    assert not report.ok and any(c.kind == "gap" for c in report.coverage), report
+
+
+def test_out_keys_of_a_dump_without_inputs_are_noted_as_not_checked(tmp_path, capsys):
+    """A dump with out/, shard/ and param/ but no in/ (a dumper that forgot the inputs):
+    the gather was checked and the report said 'PASS: 1 gathered params exact', with no word
+    that out/w (here garbage) was never compared: without inputs there is no reference."""
+    spec = {"params": [{"name": "w", "shape": [4], "dtype": "float32"}], "nranks": 2}
+    full = np.arange(4, dtype=np.float32)
+    recs = [{"out/w": np.full(4, 123.0, np.float32), "shard/w": full[2 * r:2 * r + 2],
+             "range/w": np.array([2 * r, 2 * r + 2]), "param/w": full} for r in range(2)]
+    report = check(spec, recs)
+    assert report.ok  # the all-gather is right
+    assert any("out/w" in n and "not checked" in n and "in/" in n for n in report.notes), \
+        report.notes
+    assert "note: not checked" in str(report)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_inputs_not_representable_in_the_grad_dtype_are_refused(dtype):
+    """float64 inputs recorded for a lower-precision param: the implementation rounded them
+    to its grad dtype and summed those, the reference summed the unrounded ones, and a
+    correct result FAILed with a misleading excess. Now a DumpError naming the key, the
+    count and the first value; inputs that are values of the grad dtype (stored wider)
+    pass, and fp32 inputs of a bf16 param with main grads are fine."""
+    import ml_dtypes
+
+    low = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(8) for _ in range(2)]  # float64, not values of `low`
+    out = np.mean([x.astype(low).astype(np.float32) for x in xs], axis=0).astype(low)
+    raw = (lambda a: a.view(np.uint16)) if dtype == "bfloat16" else (lambda a: a)
+    spec = spec_of(dtype, 2, shape=(8,), average=True)
+    with pytest.raises(DumpError, match=rf"rank 0 \(in memory\): in/w/0: 8 value\(s\) not representable in "
+                                        rf"{dtype}, the grad dtype of the spec \(first at flat "
+                                        rf"index 0: {float(xs[0][0])!r}\); expected the grads"):
+        check(spec, [{"in/w/0": x, "out/w": raw(out)} for x in xs])
+    # the same values rounded first, then stored as float64: accepted and right
+    rounded = [x.astype(low).astype(np.float64) for x in xs]
+    assert check(spec, [{"in/w/0": x, "out/w": raw(out)} for x in rounded]).ok
+
+
+def test_fp32_inputs_of_a_bf16_param_with_main_grads_are_accepted():
+    """With use_main_grad the grad dtype is float32: float32 inputs of a bfloat16 param are
+    values of it (no refusal); a NaN input stays allowed (NaN is a value of every dtype)."""
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(8).astype(np.float32) for _ in range(2)]
+    xs[1][3] = np.nan
+    out = np.mean(xs, axis=0, dtype=np.float32)
+    spec = spec_of("bfloat16", 2, shape=(8,), average=True, use_main_grad=True)
+    report = check(spec, [{"in/w/0": x, "out/w": out} for x in xs])
+    assert report.ok, report

@@ -4,7 +4,7 @@ do not divide it, a window larger than the number of segments, window 1. Also th
 staging pipeline (allreduce, reduce-scatter, allgather) driven by the real engine and MPI
 through a fake device.
 
-Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_mpi_window.py``.
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/comm/test_window.py``.
 """
 import hashlib
 
@@ -92,7 +92,7 @@ def test_reduce_scatter(strategy, window, dtype):
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_staging_pipeline_through_the_engine(strategy, window, dtype):
     """allreduce_steps with a (fake) staging device, run by the real engine and MPI."""
-    from tests.unit.test_pipeline import FakeDevice
+    from tests.comm.test_pipeline import FakeDevice
 
     comm = _comm(strategy, window)
     rank, size = comm.rank, comm.size
@@ -115,7 +115,7 @@ def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
     """reduce_scatter_steps with a (fake) staging device -- rounds packed and widened on the
     device, Reduce_scatter_block on host slots -- run by the real engine and MPI, into a
     separate shard and in place."""
-    from tests.unit.test_pipeline import FakeDevice
+    from tests.comm.test_pipeline import FakeDevice
 
     comm = _comm(strategy, window)
     rank, size = comm.rank, comm.size
@@ -142,7 +142,7 @@ def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
 def test_allgather_staged_and_whole(strategy, window, dtype):
     """In-place allgather: through a (fake) staging device in rounds (one Allgather per
     round, pipelined) and whole through the communicator; raw bytes, NaN and -0 included."""
-    from tests.unit.test_pipeline import FakeDevice
+    from tests.comm.test_pipeline import FakeDevice
 
     comm = _comm(strategy, window)
     rank, size = comm.rank, comm.size

@@ -9,7 +9,7 @@ release_grads x reduce_avg x scale_after_comm x free_grads_in_comm (where Paddle
 combination). Then the seven behaviours issue 11 aligned with Paddle, and the ones mpifusion
 keeps on purpose (README, "Differences from Paddle"), each shown on both sides.
 
-Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/mpi/test_paddle_differential.py``
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/buffer/test_paddle_differential.py``
 (meant for 2 and 3 ranks; other rank counts run too). Skipped when paddle is not installed.
 
 Inputs are positive multiples of 1/4, so sums are exact in any order: the only rounding is

@@ -6,7 +6,7 @@ fp32 whatever order MPI adds in: each result can be compared *bit for bit* with 
 reference rounded the way the half-precision rule says (sum in fp32, scale by the fp32
 ``1/n`` in fp32, round once to the buffer dtype).
 
-Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/test_mpi_comm_paths.py``.
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/comm/test_comm_paths.py``.
 """
 import numpy as np
 import pytest
