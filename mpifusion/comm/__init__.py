@@ -6,7 +6,7 @@ every call in start order. :func:`release` stops the engines and frees the dupli
 communicator (freeing the communicator itself does the same).
 """
 from .communicator import Communicator
-from .engines import live_private_comms, private_comm, release
+from .registry import live_private_comms, private_comm, release
 from .task import CommTask
 
 __all__ = ["CommTask", "Communicator", "live_private_comms", "private_comm", "release"]

@@ -42,7 +42,8 @@ from ..errors import AbandonedError, OptionError, StateError
 from . import health, order as order_mod
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
-from .engines import _ThreadEngine, engine_for, engines_of, private_comm
+from .engines import ThreadEngine
+from .registry import engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
 from .task import CommTask, Latch, Steps, as_nonblocking
 
@@ -298,7 +299,7 @@ class Communicator:
             return task
         if nbytes is None:
             nbytes = sum([a.nbytes for a in keep])
-        inline = nbytes <= INLINE_MAX_BYTES and isinstance(self._engine, _ThreadEngine)
+        inline = nbytes <= INLINE_MAX_BYTES and isinstance(self._engine, ThreadEngine)
         if inline and self.timeout is not None:
             task.polled = True  # the same on every rank: size and "timeout set" are agreed
             task._steps = steps = as_nonblocking(steps)

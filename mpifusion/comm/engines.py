@@ -7,33 +7,29 @@ a waiting caller that claimed the next task before the thread did; ``nonblocking
 caller holding the engine's lock). ``thread`` runs the calls blocking; ``nonblocking`` issues
 the non-blocking forms from the caller and progresses them whenever MPI is called.
 
-Lifetime: private duplicates are cached on the user's communicator (an MPI attribute), and
-:func:`release` -- or freeing the user's communicator -- stops their engines and frees them.
-After a collective was abandoned (``FusedCommBuffer.reset(abandon=True)``) an engine refuses
-every later collective with :class:`AbandonedError`: MPI cannot cancel the abandoned one, so
-anything started later would pair with it on the other ranks.
+Lifetime: ``registry.py`` makes one engine per private duplicate and closes it when the
+duplicate is released. After a collective was abandoned (``FusedCommBuffer.reset(abandon=
+True)``) an engine refuses every later collective with :class:`AbandonedError`: MPI cannot
+cancel the abandoned one, so anything started later would pair with it on the other ranks.
 """
 from __future__ import annotations
 
-import atexit
 import collections
-import os
 import queue
-import sys
 import threading
 import time
 import weakref
-from typing import Deque, Dict, Optional
+from typing import Deque, Optional
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import AbandonedError, CommTimeoutError, OrderError, StateError
+from ..errors import AbandonedError, OrderError, StateError
 from .poll import Backoff, poll
 from .task import CHECK_NAME, CommTask, Latch, nonblocking_name
 
 
-class _Engine:
+class Engine:
     """Runs the tasks of one private communicator, in the order they were started."""
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
@@ -173,7 +169,7 @@ class _Engine:
             self.free_check()  # inactive: nothing will start it again
 
 
-class _NonBlockingEngine(_Engine):
+class NonBlockingEngine(Engine):
     """Non-blocking calls, up to ``task.window`` of one task in flight (a pipeline).
 
     The head task issues pipelined calls (4-tuple steps) while fewer than its ``window`` are
@@ -367,8 +363,8 @@ class _NonBlockingEngine(_Engine):
 
 
 #: nonblocking engines without a progress thread (MPI below MPI_THREAD_MULTIPLE): each
-#: caller's progress and waits move all of them (_NonBlockingEngine._progress_others)
-_UNATTENDED: "weakref.WeakSet[_NonBlockingEngine]" = weakref.WeakSet()
+#: caller's progress and waits move all of them (NonBlockingEngine._progress_others)
+_UNATTENDED: "weakref.WeakSet[NonBlockingEngine]" = weakref.WeakSet()
 
 #: thread strategy: how long a small task is left for its caller's wait() to run it before
 #: the comm thread does (the thread's wake-up is what is saved)
@@ -378,7 +374,7 @@ HANDOFF_S = 0.002
 HOT_S = 1.0
 
 
-class _ThreadEngine(_Engine):
+class ThreadEngine(Engine):
     """A daemon thread running each task's calls as blocking MPI calls, in start order.
 
     Small tasks (``inline``) are started without waking the thread: waking it costs 30-150 us
@@ -558,161 +554,3 @@ class _ThreadEngine(_Engine):
         self.bell.put(None)
         if not self.stuck and self.abandoned is None:
             self.thread.join(timeout=1.0)
-
-
-#: Engines by the handle of their private communicator (removed when it is freed).
-_ENGINES: Dict[int, _Engine] = {}
-#: Private duplicates alive, by handle (what :func:`live_private_comms` counts).
-_LIVE: Dict[int, MPI.Comm] = {}
-#: MPI attribute key under which a communicator caches its private duplicates ({tag: dup}).
-#: An attribute, not a dict keyed by handle: MPI reuses the handle of a freed communicator,
-#: and a new communicator must not inherit the old one's duplicate (another group). Its
-#: delete callback releases them when the user frees the communicator.
-_DUPS_KEYVAL: Optional[int] = None
-_EXITING = False
-_REGISTRY_LOCK = threading.RLock()
-
-
-def _keyval() -> int:
-    global _DUPS_KEYVAL
-    if _DUPS_KEYVAL is None:
-        # not copied by comm.Dup(); deleted (-> _on_delete) by Free() or Delete_attr()
-        _DUPS_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_on_delete)
-    return _DUPS_KEYVAL
-
-
-def _on_delete(comm: MPI.Comm, keyval: int, dups: dict) -> None:
-    try:
-        _release_dups(dups)
-    except Exception:  # an MPI callback must not raise
-        pass
-
-
-def _release_dups(dups: dict, timeout: float = 30.0) -> None:
-    from .health import forget
-
-    with _REGISTRY_LOCK:
-        items = list(dups.items())
-        dups.clear()
-    for _tag, dup in items:
-        handle = dup.py2f()
-        engine = _ENGINES.pop(handle, None)
-        if engine is not None:
-            engine.close(0.0 if _EXITING else timeout)
-        forget(dup, None if _EXITING or MPI.Is_finalized() else timeout)
-        _LIVE.pop(handle, None)
-        if not _EXITING and not MPI.Is_finalized():
-            try:
-                dup.Free()
-            except MPI.Exception:
-                pass
-
-
-def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None) -> MPI.Comm:
-    """A duplicate of ``comm`` made once per communicator and ``tag`` (collective on first
-    use). Each stream (strategy and order) gets its own duplicate, so their calls never
-    interleave. Always a polled ``Idup`` -- the same call on every rank whatever its
-    deadline -- bounded by ``timeout``: a rank that never builds a buffer on ``comm`` gives
-    a ``CommTimeoutError`` instead of a hang."""
-    with _REGISTRY_LOCK:
-        keyval = _keyval()
-        dups = comm.Get_attr(keyval)
-        if dups is None:
-            dups = {}
-            comm.Set_attr(keyval, dups)
-        dup = dups.get(tag)
-        if dup is not None:
-            return dup
-        dup, request = comm.Idup()
-        if not poll(request.Test, timeout, first=1e-5):
-            raise CommTimeoutError(
-                    f"rank {comm.Get_rank()}: duplicating comm_group for mpifusion (first "
-                    f"buffer on it) did not complete within {timeout:g} s: some rank of "
-                    f"the {comm.Get_size()} has not built a buffer on this communicator")
-        dups[tag] = dup
-        _LIVE[dup.py2f()] = dup
-        return dup
-
-
-def private_comms_of(comm: MPI.Comm) -> dict:
-    """``{tag: duplicate}`` made for ``comm`` so far (empty after :func:`release`)."""
-    dups = comm.Get_attr(_keyval())
-    return dict(dups) if dups else {}
-
-
-def engine_for(dup: MPI.Comm, strategy: str, label: str) -> _Engine:
-    """The one engine of a private communicator (made on first use)."""
-    with _REGISTRY_LOCK:
-        key = dup.py2f()
-        engine = _ENGINES.get(key)
-        if engine is None:
-            engine = (_ThreadEngine if strategy == "thread" else _NonBlockingEngine)(dup, label)
-            _ENGINES[key] = engine
-        return engine
-
-
-def engines_of(comm: MPI.Comm) -> list:
-    """The engines of every private duplicate of ``comm``."""
-    return [e for e in (_ENGINES.get(d.py2f()) for d in private_comms_of(comm).values())
-            if e is not None]
-
-
-def release(comm: MPI.Comm, timeout: float = 30.0) -> None:
-    """Stop the engines (threads) of ``comm``'s private duplicates and free them.
-
-    Collective like ``comm.Free()``: call it on every rank of ``comm``, after the last
-    collective of its buffers (started collectives are finished first, within ``timeout``
-    seconds). Idempotent, and safe at exit; freeing ``comm`` itself does the same. Buffers
-    built on ``comm`` before cannot communicate afterwards; new ones make new duplicates.
-    """
-    if MPI.Is_finalized() or comm == MPI.COMM_NULL:
-        return
-    dups = comm.Get_attr(_keyval())
-    if dups is None:
-        return
-    _release_dups(dups, timeout)
-    comm.Delete_attr(_keyval())
-
-
-def live_private_comms() -> int:
-    """How many private duplicates mpifusion holds (for leak checks)."""
-    return len(_LIVE)
-
-
-@atexit.register
-def _stop_engines() -> None:
-    """Let started collectives finish (bounded) and stop the threads before MPI finalizes.
-
-    A communication thread still blocked in a collective that timed out or was abandoned
-    cannot be stopped, and MPI_Finalize under it crashes (SIGSEGV with MPICH): then the
-    process says so and exits with status 1 without finalizing."""
-    global _EXITING
-    quick = getattr(sys, "last_value", None) is not None  # exiting on an error
-    blocked = []
-    for engine in list(_ENGINES.values()):
-        if quick or engine.stuck or engine.abandoned is not None:
-            engine.closed = True  # waiting only delays the abort
-            if isinstance(engine, _NonBlockingEngine):
-                engine.stop_thread()
-            if (isinstance(engine, _ThreadEngine) and engine.thread.is_alive()
-                    and any(not t._finished() for t in list(engine.tasks))):
-                blocked.append(engine)
-            continue
-        engine.close(timeout=30.0)
-        if (isinstance(engine, _ThreadEngine) and engine.thread.is_alive()
-                and any(not t._finished() for t in list(engine.tasks))):
-            blocked.append(engine)  # a collective the other ranks never joined
-    _EXITING = True
-    _ENGINES.clear()
-    if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        sys.stderr.write(f"mpifusion: rank {blocked[0].rank}: exiting without MPI_Finalize: a "
-                         f"collective that timed out, was abandoned or was never joined by the "
-                         f"other ranks is still pending on a communication thread, and MPI "
-                         f"cannot finalize under it\n")
-        sys.stderr.flush()
-        os._exit(1)

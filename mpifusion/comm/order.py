@@ -30,7 +30,7 @@ from .poll import Backoff
 from .task import CHECK, FENCE, CommTask, Steps
 
 if TYPE_CHECKING:
-    from .engines import _Engine
+    from .engines import Engine
 
 #: kinds of collectives, as fingerprinted (and named in OrderError)
 KINDS = {1: "ALL_REDUCE", 2: "REDUCE", 3: "REDUCE_SCATTER", 4: "ALL_GATHER (sync_params)",
@@ -119,7 +119,7 @@ class Negotiator:
     SLOTS = WORDS * 64 // KINDS_PER_SLOT
     MAX_PAUSE = 1e-3                    # thread engine: back-off between empty rounds
 
-    def __init__(self, engine: "_Engine") -> None:
+    def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.lock = threading.Lock()
         self.queues: Dict[int, Deque[CommTask]] = {}

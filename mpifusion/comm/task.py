@@ -17,7 +17,7 @@ from ..config import MAX_TIMEOUT
 from ..errors import CommError, CommTimeoutError, FusionError, OptionError
 
 if TYPE_CHECKING:
-    from .engines import _Engine
+    from .engines import Engine
 
 #: One MPI call of a collective: ``(name of the blocking mpi4py method, args, kwargs)`` or
 #: ``(name, args, kwargs, land)``. The non-blocking form is the same name with an ``I`` in
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 #: it; both first finish what is in flight (:data:`FENCE` is a pause of 0).
 #:
 #: :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
-#: the engine, ``_Engine.start_check``): a fence, non-blocking on every engine.
+#: the engine, ``Engine.start_check``): a fence, non-blocking on every engine.
 #:
 #: A name already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
 #: engine (the thread engine then waits for it): the order check always is, so that the
@@ -132,7 +132,7 @@ class CommTask:
                  "on_fail", "window", "_blocked", "_stopped", "_stealable", "_since",
                  "polled", "context", "__weakref__")
 
-    def __init__(self, steps: Optional[Iterator[Call]], engine: "_Engine",
+    def __init__(self, steps: Optional[Iterator[Call]], engine: "Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
                  timeout: Optional[float] = None) -> None:
         self.name = name

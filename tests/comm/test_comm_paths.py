@@ -211,7 +211,7 @@ def test_release_receives_announcements_still_on_their_way(comm):
     communicator must first receive those still on their way: a message left on a freed
     communicator was consumed by a later communicator's collective under Open MPI (which
     reuses the context), leaving one rank a collective ahead of its peer (a hang)."""
-    from mpifusion.comm import engines, health
+    from mpifusion.comm import health, release
 
     n, rank = comm.Get_size(), comm.Get_rank()
     if n < 2:
@@ -223,7 +223,7 @@ def test_release_receives_announcements_still_on_their_way(comm):
         if rank == 0:
             for seq in range(1, 6):  # the others never look for them
                 tracker.announce(99, seq)
-        engines.release(dup)
+        release(dup)
         assert all(t is not tracker for t in health._TRACKERS.values())  # forgotten
         sent = comm.allgather(tracker._sent.copy())  # what each rank sent to each rank
         assert all(sent[0][r] >= 5 for r in range(1, n))
@@ -240,5 +240,5 @@ def test_release_receives_announcements_still_on_their_way(comm):
                 d.allreduce(buf).wait()
                 assert (buf == n * (n - 1) / 2 + n * (k + round_)).all()
         finally:
-            engines.release(fresh)
+            release(fresh)
             fresh.Free()

@@ -11,7 +11,7 @@ import pytest
 
 from mpifusion.arrays import staging
 from mpifusion.comm import poll as pollmod
-from mpifusion.comm.engines import _NonBlockingEngine
+from mpifusion.comm.engines import NonBlockingEngine
 from mpifusion.comm.task import FENCE, CommTask
 from mpifusion.config import MAX_WINDOW, WINDOW_ENV, CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
@@ -127,7 +127,7 @@ def _task(engine, steps, window):
 @pytest.mark.parametrize("window", [1, 2, 3, 8])
 def test_engine_keeps_window_in_flight_and_lands_in_order(window):
     comm = FakeComm()
-    engine = _NonBlockingEngine(comm, progress_thread=False)
+    engine = NonBlockingEngine(comm, progress_thread=False)
     landed = []
     task = _task(engine, _steps(6, landed), window)
     engine.submit(task)
@@ -180,7 +180,7 @@ def test_engine_keeps_a_calls_arrays_alive_until_it_lands(window):
     """Regression: the last pipelined calls of a reduce-scatter read scratch that was freed
     when its generator ended (Open MPI, 4 ranks, window 8: wrong sums in the last piece)."""
     comm = ForgetfulComm()
-    engine = _NonBlockingEngine(comm, progress_thread=False)
+    engine = NonBlockingEngine(comm, progress_thread=False)
     task = _task(engine, _scratch_steps(3), window)
     engine.submit(task)
     while not task._finished():
@@ -214,7 +214,7 @@ def test_a_timed_out_request_keeps_its_arrays_for_good():
 
 def test_fence_waits_for_everything_before_it():
     comm = FakeComm()
-    engine = _NonBlockingEngine(comm, progress_thread=False)
+    engine = NonBlockingEngine(comm, progress_thread=False)
     landed = []
     task = _task(engine, _steps(5, landed, fence_at=2), window=4)
     engine.submit(task)
@@ -235,7 +235,7 @@ def test_fence_waits_for_everything_before_it():
 
 def test_landing_error_stops_issuing_and_drains():
     comm = FakeComm()
-    engine = _NonBlockingEngine(comm, progress_thread=False)
+    engine = NonBlockingEngine(comm, progress_thread=False)
 
     def steps():
         yield ("Allreduce", (0,), {}, lambda: 1 / 0)
@@ -255,7 +255,7 @@ def test_landing_error_stops_issuing_and_drains():
 
 def test_pause_is_a_fence_and_later_tasks_wait():
     comm = FakeComm()
-    engine = _NonBlockingEngine(comm, progress_thread=False)
+    engine = NonBlockingEngine(comm, progress_thread=False)
     landed = []
 
     def steps():
@@ -284,7 +284,7 @@ def test_progress_thread_moves_without_the_caller():
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         pytest.skip("progress thread needs MPI_THREAD_MULTIPLE")
     comm = FakeComm()
-    engine = _NonBlockingEngine(comm, progress_thread=True)
+    engine = NonBlockingEngine(comm, progress_thread=True)
     try:
         landed = []
         task = _task(engine, _steps(4, landed), window=2)
