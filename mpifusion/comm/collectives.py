@@ -1,10 +1,9 @@
 """Each collective written once, as a generator of MPI calls.
 
-A generator yields ``(method, args, kwargs)`` or ``(method, args, kwargs, land)`` for mpi4py's
-blocking method (``task.Call`` has the rules); the engine decides whether to run it blocking
-(thread) or as the ``I`` form (nonblocking, up to ``window`` segments in flight). Code after a
-3-tuple ``yield`` runs once that call has completed; ``land`` runs once its call completed,
-in issue order: that is where each reduced segment is scaled (and rounded back, for half
+A generator yields a :class:`~.call.Call` of mpi4py's blocking method (``call.py`` has the
+rules); the engine decides whether to run it blocking (thread) or as the ``I`` form
+(nonblocking, up to ``window`` segments in flight). Code after a fence's ``yield`` runs once
+that call has completed; a pipelined call's ``land`` runs once it completed, in issue order: that is where each reduced segment is scaled (and rounded back, for half
 precision) while it is still in cache. Scratch that a pipelined call reads or writes comes
 from a ring of ``window`` slots (``_ring``), reused only after its call landed.
 
@@ -23,7 +22,7 @@ from mpi4py import MPI
 from ..arrays import backend, cuda, halfcast
 from ..dtypes import HALF, float32
 from ..arrays.staging import CupyDevice, Device, StagedSegments
-from .task import FENCE, Steps
+from .call import FENCE, Call, Steps, pipelined
 
 _MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}  # by dtype.char: cheaper than .name
 
@@ -83,14 +82,15 @@ def _land(w: Any, scale: Optional[float], out: Any) -> None:
         halfcast.narrow(w, out)  # round to nearest even, as out[...] = w
 
 
-def _reduce_call(w: Any, root: Optional[int], lands: bool, land: Any) -> Tuple[Any, ...]:
-    """The in-place sum of segment ``w``: to every rank, or to ``root`` (``lands``: this is
-    the root)."""
+def _reduce_call(w: Any, root: Optional[int], lands: bool, land: Any) -> Call:
+    """The in-place sum of segment ``w`` (pipelined): to every rank, or to ``root``
+    (``lands``: this is the root)."""
     if root is None:
-        return ("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
+        return pipelined("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
     if lands:
-        return ("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root}, land)
-    return ("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
+        return pipelined("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root},
+                         land)
+    return pipelined("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
 
 
 def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[int],
@@ -168,11 +168,11 @@ def _ring_allreduce(flat: Any, scale: Optional[float], seg: int, rank: int,
         for k in range(nranks - 1):  # reduce-scatter: then chunk (rank + 1) % n is summed here
             mine, theirs = chunk((rank - k - 1) % nranks), chunk((rank - k) % nranks)
             t = scratch[:mine.size]
-            yield ("Sendrecv", (_spec(theirs), right, RING_TAG, _spec(t), left, RING_TAG), {})
+            yield Call("Sendrecv", (_spec(theirs), right, RING_TAG, _spec(t), left, RING_TAG))
             np.add(mine, t, out=mine)
         for k in range(nranks - 1):  # all-gather: pass the summed chunks on around the ring
-            yield ("Sendrecv", (_spec(chunk((rank - k + 1) % nranks)), right, RING_TAG,
-                                _spec(chunk((rank - k) % nranks)), left, RING_TAG), {})
+            yield Call("Sendrecv", (_spec(chunk((rank - k + 1) % nranks)), right, RING_TAG,
+                                    _spec(chunk((rank - k) % nranks)), left, RING_TAG))
         if land is not None:
             land()
 
@@ -212,7 +212,7 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
                                 lambda k: recv[columns(k)], window, scale,
                                 device or CupyDevice(send))
         for w, r, land in staged.segments():
-            yield ("Reduce_scatter_block", (_spec(w), _spec(r)), {"op": MPI.SUM}, land)
+            yield pipelined("Reduce_scatter_block", (_spec(w), _spec(r)), {"op": MPI.SUM}, land)
         yield FENCE  # every round landed (its copy back was started)
         staged.finish()
         for r in others:  # on the device, where they are
@@ -222,7 +222,7 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
     if send.dtype not in HALF and seg >= send.size:
         # one call, zero-copy; MPI forbids aliasing, so an in-place shard lands via a copy
         direct = recv if not backend.overlaps(send, recv) else backend.empty(shard, recv.dtype, recv)
-        yield ("Reduce_scatter_block", (_spec(send), _spec(direct)), {"op": MPI.SUM})
+        yield Call("Reduce_scatter_block", (_spec(send), _spec(direct)), {"op": MPI.SUM})
         if scale is not None:
             backend.scale_(direct, scale)
         if direct is not recv:
@@ -251,8 +251,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
             backend.scale_(grid[r, where], others_scale)
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
         o = outs[k % slots][:n]
-        yield ("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)), {"op": MPI.SUM},
-               partial(_land_piece, o, scale, recv[where]))
+        yield pipelined("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)),
+                        {"op": MPI.SUM}, partial(_land_piece, o, scale, recv[where]))
     cuda.synchronize(recvbuf)
 
 
@@ -281,17 +281,17 @@ def allgather_steps(buf: Any, seg: int = 1 << 62, nranks: int = 1, rank: int = 0
                                 lambda k: grid[:, columns(k)], window, None,
                                 device or CupyDevice(flat), widen=False)
         for w, r, land in staged.segments():
-            yield ("Allgather", ([w.view(np.uint8), MPI.BYTE], [r.view(np.uint8), MPI.BYTE]),
-                   {}, land)
+            yield pipelined("Allgather", ([w.view(np.uint8), MPI.BYTE],
+                                          [r.view(np.uint8), MPI.BYTE]), land=land)
         yield FENCE  # every round landed (its copy back was started)
         staged.finish()
     else:
-        yield ("Allgather", (MPI.IN_PLACE, [flat.view(np.uint8), MPI.BYTE]), {})
+        yield Call("Allgather", (MPI.IN_PLACE, [flat.view(np.uint8), MPI.BYTE]))
     cuda.synchronize(buf)
 
 
 def barrier_steps() -> Steps:
-    yield ("Barrier", (), {})
+    yield Call("Barrier")
 
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -45,7 +45,8 @@ from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
 from .engines import ThreadEngine
 from .registry import engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
-from .task import CommTask, Latch, Steps, as_nonblocking
+from .call import Steps, as_nonblocking
+from .task import CommTask, Latch
 
 logger = logging.getLogger("mpifusion")
 
@@ -89,7 +90,7 @@ def _spec(arr: Any) -> list:
     return [arr, _MPI_TYPES[arr.dtype.name]]
 
 
-def _prepared(prepare: Callable[[], None], steps: Steps) -> Iterator[Any]:
+def _prepared(prepare: Callable[[], None], steps: Steps) -> Steps:
     """``steps`` once ``prepare()`` ran: when the engine reaches them, after the order check."""
     prepare()
     yield from steps

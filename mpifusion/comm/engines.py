@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from ..errors import AbandonedError, OrderError, StateError
 from .poll import Backoff, poll
-from .task import CHECK_NAME, CommTask, Latch, nonblocking_name
+from .call import nonblocking_name
+from .task import CommTask, Latch
 
 
 class Engine:
@@ -172,9 +173,8 @@ class Engine:
 class NonBlockingEngine(Engine):
     """Non-blocking calls, up to ``task.window`` of one task in flight (a pipeline).
 
-    The head task issues pipelined calls (4-tuple steps) while fewer than its ``window`` are
-    in flight, lands them in issue order as they complete, and treats a fence (3-tuple
-    step) as "nothing more until everything landed". A task starts only when every earlier
+    The head task issues pipelined calls while fewer than its ``window`` are in flight, lands
+    them in issue order as they complete, and treats a fence as "nothing more until everything landed". A task starts only when every earlier
     task has finished, so all ranks issue the same calls in the same order whatever their
     timing. Only the thread holding the engine's lock calls MPI or runs a task's steps.
 
@@ -243,31 +243,33 @@ class NonBlockingEngine(Engine):
                 break
             task._blocked = False
             try:
-                step = next(task._steps)
+                call = next(task._steps)
             except StopIteration:
                 self._stop(task)
                 continue
             except Exception as exc:  # landing code or an OrderError: raised by wait()
                 self._stop(task, exc)
                 continue
-            if step[0] == "_pause":
+            method = call.method
+            if method is None and not call.check:
                 task._blocked = True  # a fence: the pause itself is skipped
                 continue
             if self.abandoned is not None:
                 self._stop(task, self._refused())
                 continue
             try:
-                request = (self.start_check() if step[0] is CHECK_NAME
-                           else getattr(comm, nonblocking_name(step[0]))(*step[1], **step[2]))
+                request = (self.start_check() if method is None
+                           else getattr(comm, nonblocking_name(method))(*call.args,
+                                                                        **call.kwargs))
             except Exception as exc:
                 self._stop(task, exc)
                 continue
             self.moves += 1
-            task._blocked = len(step) == 3
+            task._blocked = call.fence
             # the call's arguments stay referenced until it landed: mpi4py keeps no
             # reference to a non-blocking call's arrays, and a scratch slot whose only other
             # owner was the finished generator would be freed (and reused) while MPI reads it
-            inflight.append((request, step[3] if len(step) > 3 else None, step[1]))
+            inflight.append((request, call.land, call.args))
         task._event.set()
         return True
 
@@ -422,28 +424,28 @@ class ThreadEngine(Engine):
 
     def _run_steps(self, task: CommTask, deadline: Optional[float]) -> bool:
         """The one loop over a task's calls: without ``deadline`` each call completes before
-        the next (a non-blocking form is waited for: see task.Call); with one (``polled``
+        the next (a non-blocking form is waited for: see call.py); with one (``polled``
         tasks, whose calls are all non-blocking) each is polled until the deadline."""
         comm = self.comm
         try:
-            for step in task._steps:
-                name = step[0]
-                if name == "_pause":
-                    if step[1][0] > 0:
-                        time.sleep(step[1][0])
+            for call in task._steps:
+                method = call.method
+                if method is None and not call.check:
+                    if call.pause > 0:
+                        time.sleep(call.pause)
                     continue
                 if self.abandoned is not None:
                     raise self._refused()
-                out = (self.start_check() if name is CHECK_NAME
-                       else getattr(comm, name)(*step[1], **step[2]))
-                land = step[3] if len(step) > 3 else None
+                out = (self.start_check() if method is None
+                       else getattr(comm, method)(*call.args, **call.kwargs))
+                land = call.land
                 if deadline is None:
-                    if name[0] == "I" or name is CHECK_NAME:
+                    if method is None or method[0] == "I":
                         out.Wait()
                 # a counter that never moves: spin first, as a blocking call would
                 elif not poll(out.Test, max(0.0, deadline - time.monotonic()),
                               moves=lambda: 0):
-                    task._requests.append((out, land, step[1]))
+                    task._requests.append((out, land, call.args))
                     return False
                 if land is not None:
                     land()  # the call landed

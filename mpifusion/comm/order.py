@@ -27,7 +27,8 @@ from mpi4py import MPI
 
 from ..errors import OrderError
 from .poll import Backoff
-from .task import CHECK, FENCE, CommTask, Steps
+from .call import CHECK, FENCE, Call, Steps, pause
+from .task import CommTask
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -90,7 +91,7 @@ def order_message(rank: int, rows: np.ndarray, where: str) -> str:
 
 def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
     """``steps`` preceded by the order check (one all-reduce of two uint64, non-blocking on
-    every engine: see :data:`task.Call`). ``desc`` is (kind, count, dtype, root, buffer id,
+    every engine: see ``call.py``). ``desc`` is (kind, count, dtype, root, buffer id,
     step, communicator key). The fingerprint covers the form of the calls that follow, so
     ranks that would issue them differently stop here instead of deadlocking."""
     h = fingerprint((task.seq, *desc, task.polled))
@@ -102,7 +103,7 @@ def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.
     if words[2] ^ _MASK != words[3]:
         row = np.array((task.seq, *desc), dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-        yield ("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), {})
+        yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]))
         raise OrderError(order_message(comm.Get_rank(), rows, task.name or "collective"))
     yield from steps
 
@@ -175,8 +176,8 @@ class Negotiator:
             send[words:2 * words] = ~send[:words]
             h = np.uint64(fingerprint((ROUND, rt.seq, rnd)))
             send[2 * words], send[2 * words + 1] = h, ~h
-            yield ("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]),
-                   {"op": MPI.BAND})
+            yield Call("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]),
+                       {"op": MPI.BAND})
             self.rounds += 1
             if recv[2 * words] != ~recv[2 * words + 1]:
                 raise OrderError(f"rank {self.engine.rank}: order negotiation round {rnd} of "
@@ -211,16 +212,16 @@ class Negotiator:
             if agreed:
                 backoff.reset()
             else:
-                yield ("_pause", (backoff.next(),), {})
+                yield pause(backoff.next())
 
 
 def _own_landings(task: CommTask) -> Steps:
     """``task``'s steps inside a negotiation round: its landing errors stay its own (not the
     round's), and it ends with a fence, so the round marks it finished only once landed."""
-    for step in task._steps:
-        if len(step) > 3 and step[3] is not None:
-            step = (*step[:3], partial(_land_for, task, step[3]))
-        yield step
+    for call in task._steps:
+        if call.land is not None:
+            call = call._replace(land=partial(_land_for, task, call.land))
+        yield call
     yield FENCE
 
 

@@ -32,7 +32,7 @@ class Backoff:
         self.pause = 0.0
 
     def next(self) -> float:
-        """The next pause, without sleeping (a generator yields it as a ``_pause`` step)."""
+        """The next pause, without sleeping (a generator yields it as a ``call.pause``)."""
         self.pause = min(max(2 * self.pause, self.first), self.cap)
         return self.pause
 

@@ -10,56 +10,14 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from typing import (Any, Callable, Dict, Iterator, Optional, Sequence, Tuple,
-                    TYPE_CHECKING)
+from typing import Any, Callable, Optional, Sequence, TYPE_CHECKING
 
 from ..config import MAX_TIMEOUT
 from ..errors import CommError, CommTimeoutError, FusionError, OptionError
+from .call import Steps
 
 if TYPE_CHECKING:
     from .engines import Engine
-
-#: One MPI call of a collective: ``(name of the blocking mpi4py method, args, kwargs)`` or
-#: ``(name, args, kwargs, land)``. The non-blocking form is the same name with an ``I`` in
-#: front (Allreduce -> Iallreduce).
-#:
-#: - 3-tuple, a *fence*: the generator resumes only after this call and every earlier one
-#:   completed and landed (the order check, negotiation rounds, barriers, the last step).
-#: - 4-tuple, *pipelined*: the engine may resume the generator to prepare the next call while
-#:   this one is in flight, and runs ``land()`` when it completed, in issue order. An engine
-#:   pulls the next call only while fewer than ``task.window`` are in flight, so a scratch
-#:   ring of ``window`` slots is reused only after its previous call landed.
-#:
-#: ``("_pause", (seconds,), {})`` is no MPI call: the thread engine sleeps, the other skips
-#: it; both first finish what is in flight (:data:`FENCE` is a pause of 0).
-#:
-#: :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
-#: the engine, ``Engine.start_check``): a fence, non-blocking on every engine.
-#:
-#: A name already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
-#: engine (the thread engine then waits for it): the order check always is, so that the
-#: checks of any two collectives match whatever each rank runs, and so are all calls of a
-#: small collective under a deadline, which a waiting caller may poll itself. MPI never
-#: matches a blocking collective with a non-blocking one.
-Call = Tuple[Any, ...]
-Steps = Iterator[Call]
-FENCE: Call = ("_pause", (0.0,), {})
-CHECK_NAME = "_check"
-CHECK: Call = (CHECK_NAME, (), {})
-
-
-def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
-    """mpi4py's non-blocking method for a call (Allreduce -> Iallreduce; Iallreduce kept)."""
-    iname = _cache.get(name)
-    if iname is None:
-        iname = _cache[name] = name if name[0] == "I" else "I" + name[0].lower() + name[1:]
-    return iname
-
-
-def as_nonblocking(steps: Steps) -> Steps:
-    """``steps`` with every MPI call in its non-blocking form."""
-    for step in steps:
-        yield step if step[0][0] == "_" else (nonblocking_name(step[0]), *step[1:])
 
 
 def _deadline_seconds(timeout: Any) -> Optional[float]:
@@ -132,7 +90,7 @@ class CommTask:
                  "on_fail", "window", "_blocked", "_stopped", "_stealable", "_since",
                  "polled", "context", "__weakref__")
 
-    def __init__(self, steps: Optional[Iterator[Call]], engine: "Engine",
+    def __init__(self, steps: Optional[Steps], engine: "Engine",
                  keep: Sequence[Any] = (), name: str = "", rank: int = -1,
                  timeout: Optional[float] = None) -> None:
         self.name = name
@@ -140,7 +98,7 @@ class CommTask:
         self._keep = list(keep)
         self._finish: Optional[Callable[[], None]] = None
         self._done = False          # completed and cleaned up (callbacks ran)
-        self._steps: Optional[Iterator[Call]] = steps
+        self._steps: Optional[Steps] = steps
         self._engine = engine
         self._event: Optional[Latch] = None  # set by the engine when finished
         self._error: Optional[BaseException] = None

@@ -12,7 +12,8 @@ import pytest
 from mpifusion.arrays import staging
 from mpifusion.comm import poll as pollmod
 from mpifusion.comm.engines import NonBlockingEngine
-from mpifusion.comm.task import FENCE, CommTask
+from mpifusion.comm.call import FENCE, Call, pipelined
+from mpifusion.comm.task import CommTask
 from mpifusion.config import MAX_WINDOW, WINDOW_ENV, CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.errors import OptionError
@@ -113,9 +114,9 @@ class FakeComm:
 def _steps(count, landed, fence_at=None):
     for k in range(count):
         if k == fence_at:
-            yield ("Barrier", (k,), {})
+            yield Call("Barrier", (k,))
         else:
-            yield ("Allreduce", (k,), {}, lambda k=k: landed.append(k))
+            yield pipelined("Allreduce", (k,), land=lambda k=k: landed.append(k))
 
 
 def _task(engine, steps, window):
@@ -172,7 +173,7 @@ def _scratch_steps(count):
     rings are), and nothing after the last call: the generator ends while they fly."""
     scratch = np.arange(16, dtype=np.float32)
     for k in range(count):
-        yield ("Allreduce", ([scratch[k:k + 4], None],), {}, None)
+        yield pipelined("Allreduce", ([scratch[k:k + 4], None],))
 
 
 @pytest.mark.parametrize("window", [1, 3, 8])
@@ -238,9 +239,9 @@ def test_landing_error_stops_issuing_and_drains():
     engine = NonBlockingEngine(comm, progress_thread=False)
 
     def steps():
-        yield ("Allreduce", (0,), {}, lambda: 1 / 0)
+        yield pipelined("Allreduce", (0,), land=lambda: 1 / 0)
         for k in range(1, 5):
-            yield ("Allreduce", (k,), {}, None)
+            yield pipelined("Allreduce", (k,))
     task = _task(engine, steps(), window=2)
     engine.submit(task)
     comm.requests[0][2].done = True
@@ -259,9 +260,9 @@ def test_pause_is_a_fence_and_later_tasks_wait():
     landed = []
 
     def steps():
-        yield ("Allreduce", (0,), {}, lambda: landed.append(0))
+        yield pipelined("Allreduce", (0,), land=lambda: landed.append(0))
         yield FENCE
-        yield ("Allreduce", (1,), {}, lambda: landed.append(1))
+        yield pipelined("Allreduce", (1,), land=lambda: landed.append(1))
     first, second = _task(engine, steps(), 4), _task(engine, _steps(2, landed), 4)
     engine.submit(first)
     engine.submit(second)
@@ -445,8 +446,8 @@ def _simulate(gens, window, on_issue):
         calls = [c for c, _ in entries]
         _run_call(calls)
         for c in calls:
-            if len(c) > 3 and c[3] is not None:
-                c[3]()
+            if c.land is not None:
+                c.land()
 
     while True:
         if inflight[0] and (blocked or done or len(inflight[0]) >= window):
@@ -461,13 +462,13 @@ def _simulate(gens, window, on_issue):
             done = True
             continue
         assert len({s[0] for s in steps}) == 1  # every rank issues the same call
-        if steps[0][0] == "_pause":
+        if steps[0].method is None:  # a pause: a fence
             blocked = True
             continue
         on_issue(steps[0])
         for q, s in zip(inflight, steps):
             q.append((s, _sent(s)))
-        blocked = len(steps[0]) == 3
+        blocked = steps[0].fence
 
 
 def _fill(rng, n, dtype):

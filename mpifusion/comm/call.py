@@ -1,0 +1,80 @@
+"""``Call``: one step of a collective, as its generator yields it to an engine.
+
+Every collective is a generator of calls (``collectives.py``, ``order.py``); the engine
+decides whether each MPI call runs blocking (``thread``) or as its non-blocking form
+(``nonblocking``: the same name with an ``I`` in front, Allreduce -> Iallreduce).
+
+- A *fence* (``fence=True``, the default): the generator resumes only after this call and
+  every earlier one completed and landed (the order check, negotiation rounds, barriers, the
+  last step of a collective).
+- A *pipelined* call (``fence=False``): the engine may resume the generator to prepare the
+  next call while this one is in flight, and runs ``land()`` once it completed, in issue
+  order. An engine pulls the next call only while fewer than the collective's ``window`` are
+  in flight, so a scratch ring of ``window`` slots is reused only after its call landed.
+- :func:`pause` is no MPI call: the thread engine sleeps, the other skips it; both first
+  finish what is in flight (:data:`FENCE` is a pause of 0).
+- :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
+  the engine, ``Engine.start_check``): a fence, non-blocking on every engine.
+
+A method already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
+engine (the thread engine then waits for it): the order check always is, so that the checks
+of any two collectives match whatever each rank runs, and so are all calls of a small
+collective under a deadline, which a waiting caller may poll itself. MPI never matches a
+blocking collective with a non-blocking one.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional
+
+#: the keyword arguments of a call that has none (shared, so read-only)
+NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+
+
+class Call(NamedTuple):
+    """One step of a collective: an MPI call (``method`` of the communicator, blocking name)
+    or, with ``method`` None, the engine's order check (``check``) or a ``pause``."""
+
+    method: Optional[str]
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = NO_KWARGS
+    #: runs once the call completed, in issue order (where a segment is scaled and rounded)
+    land: Optional[Callable[[], None]] = None
+    fence: bool = True
+    #: seconds the thread engine sleeps (``method`` None, not ``check``)
+    pause: float = 0.0
+    check: bool = False
+
+
+Steps = Iterator[Call]
+FENCE = Call(None)
+CHECK = Call(None, check=True)
+
+
+_make = tuple.__new__  # Call(...) without its keyword handling: once per segment
+
+
+def pipelined(method: str, args: tuple, kwargs: Mapping[str, Any] = NO_KWARGS,
+              land: Optional[Callable[[], None]] = None) -> Call:
+    """A call the engine may keep in flight while the generator prepares the next one."""
+    return _make(Call, (method, args, kwargs, land, False, 0.0, False))
+
+
+def pause(seconds: float) -> Call:
+    """No MPI call: a fence, then (thread engine) a sleep of ``seconds``."""
+    return Call(None, pause=seconds)
+
+
+def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
+    """mpi4py's non-blocking method for a call (Allreduce -> Iallreduce; Iallreduce kept)."""
+    iname = _cache.get(name)
+    if iname is None:
+        iname = _cache[name] = name if name[0] == "I" else "I" + name[0].lower() + name[1:]
+    return iname
+
+
+def as_nonblocking(steps: Steps) -> Steps:
+    """``steps`` with every MPI call in its non-blocking form."""
+    for call in steps:
+        yield call if call.method is None else call._replace(
+            method=nonblocking_name(call.method))
