@@ -3,9 +3,10 @@
 A generator yields a :class:`~.call.Call` of mpi4py's blocking method (``call.py`` has the
 rules); the engine decides whether to run it blocking (thread) or as the ``I`` form
 (nonblocking, up to ``window`` segments in flight). Code after a fence's ``yield`` runs once
-that call has completed; a pipelined call's ``land`` runs once it completed, in issue order: that is where each reduced segment is scaled (and rounded back, for half
-precision) while it is still in cache. Scratch that a pipelined call reads or writes comes
-from a ring of ``window`` slots (``_ring``), reused only after its call landed.
+that call has completed; a pipelined call's ``land`` runs once it completed, in issue order:
+that is where each reduced segment is scaled (and rounded back, for half precision) while it
+is still in cache. Scratch that a pipelined call reads or writes comes from a ring of
+``window`` slots (``_ring``), reused only after its call landed.
 
 A device buffer on an MPI that is not CUDA-aware goes through ``staging.StagedSegments``
 for every collective: allreduce/reduce by segment, reduce-scatter and in-place allgather in

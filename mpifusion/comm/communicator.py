@@ -46,7 +46,8 @@ from .engines import ThreadEngine
 from .registry import engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
 from .call import Steps, as_nonblocking
-from .task import CommTask, Latch
+from .record import Collective
+from .task import CommTask
 
 logger = logging.getLogger("mpifusion")
 
@@ -247,7 +248,7 @@ class Communicator:
                               f"communicator (comm.Split/Dup)")
         if engine.abandoned is not None:
             raise AbandonedError(engine.abandoned)
-        engine._check_open()
+        engine.check_open()
 
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, strategy={self.strategy!r}, "
@@ -285,31 +286,31 @@ class Communicator:
         desc = (*desc, self.key)
         if prepare is not None:
             steps = _prepared(prepare, steps)
-        task = CommTask(steps, self._engine, keep=keep, name=name, rank=self.rank,
-                        timeout=self.timeout)
-        task.window = self.window
+        engine = self._engine
+        op = Collective(steps, name=name, rank=self.rank, keep=keep, window=self.window)
+        task = CommTask(op, engine, timeout=self.timeout)
         if self._negotiator is not None:
-            task._event = Latch()
             if self.verify and self.size > 1:
                 # the rounds agree on a slot, not on what each rank started in it: two
                 # collectives of one Communicator started in different orders would pair
                 # silently; checked as in the strict order, inside the round
-                task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
+                op.steps = order_mod.verified_steps(op, desc, steps, self.comm,
+                                                    engine.check_words)
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
-                                   + _ITEM_KIND.get(desc[0], 3), task)
+                                   + _ITEM_KIND.get(desc[0], 3), op)
             return task
         if nbytes is None:
             nbytes = sum([a.nbytes for a in keep])
-        inline = nbytes <= INLINE_MAX_BYTES and isinstance(self._engine, ThreadEngine)
+        inline = nbytes <= INLINE_MAX_BYTES and isinstance(engine, ThreadEngine)
         if inline and self.timeout is not None:
-            task.polled = True  # the same on every rank: size and "timeout set" are agreed
-            task._steps = steps = as_nonblocking(steps)
+            op.polled = True  # the same on every rank: size and "timeout set" are agreed
+            op.steps = steps = as_nonblocking(steps)
         if self.verify and self.size > 1:
-            task._steps = order_mod.verified_steps(task, desc, steps, self.comm)
+            op.steps = order_mod.verified_steps(op, desc, steps, self.comm, engine.check_words)
         if inline:
-            self._engine.submit(task, inline=True)  # a waiting caller may run it itself
+            engine.submit(op, inline=True)  # a waiting caller may run it itself
         else:
-            self._engine.submit(task)
+            engine.submit(op)
         return task
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only

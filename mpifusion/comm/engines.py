@@ -27,7 +27,7 @@ from mpi4py import MPI
 from ..errors import AbandonedError, OrderError, StateError
 from .poll import Backoff, poll
 from .call import nonblocking_name
-from .task import CommTask, Latch
+from .record import Collective
 
 
 class Engine:
@@ -37,12 +37,13 @@ class Engine:
         self.comm = comm
         self.label = label
         self.rank = comm.Get_rank()
-        self.tasks: Deque[CommTask] = collections.deque()
+        self.tasks: Deque[Collective] = collections.deque()
         self.lock = threading.Lock()    # start order; the caller's MPI calls
         self.seq = 0                    # tasks started: the next one's place in the stream
         self.abandoned: Optional[str] = None  # why later collectives are refused
-        #: tasks whose wait missed its deadline (see ``stuck``)
-        self.late: "weakref.WeakSet[CommTask]" = weakref.WeakSet()
+        #: tasks whose wait missed its deadline (see ``stuck``); an unfinished one is held by
+        #: the engine's queues, so only finished ones drop out
+        self.late: "weakref.WeakSet[Collective]" = weakref.WeakSet()
         self.closed = False
         self.negotiator = None          # order.Negotiator on a negotiated communicator
         self.check_scratch = np.empty(4, dtype=np.uint64)  # the order check's send + receive
@@ -66,7 +67,7 @@ class Engine:
         only were slow finishes on a later wait(), and then exit drains pending collectives
         as usual (a sticky flag made a process that had recovered exit with status 1,
         without MPI_Finalize, blaming a collective that timed out)."""
-        return any(not t._finished() for t in tuple(self.late))
+        return any(not t.done.flag for t in tuple(self.late))
 
     def start_check(self) -> MPI.Request:
         """Start the order check's all-reduce (see ``check_request``); its request."""
@@ -85,7 +86,7 @@ class Engine:
             except MPI.Exception:
                 pass
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.abandoned is not None:
             raise AbandonedError(self.abandoned)
         if self.closed:
@@ -93,20 +94,18 @@ class Engine:
                              f"(mpifusion.comm.release or comm_group.Free()); build a new "
                              f"buffer to communicate again")
 
-    def _stamp(self, task: CommTask) -> None:
+    def _stamp(self, task: Collective) -> None:
         """Give ``task`` its place in the stream (the engine's lock is held)."""
-        self._check_open()
+        self.check_open()
         task.seq = self.seq
         self.seq += 1
-        if task._event is None:
-            task._event = Latch()
 
-    def _failed(self, task: CommTask, exc: BaseException) -> None:
+    def _failed(self, task: Collective, exc: BaseException) -> None:
         """``task`` failed on this rank: record it, and unless every rank fails at the same
         call (an OrderError) or the stream was already refused, refuse every later
         collective here: the other ranks may still be inside this one, so the next call
         made here would pair with its remaining calls there (a wrong sum, not an error)."""
-        task._fail(exc)
+        task.fail(exc)
         if not isinstance(exc, (OrderError, AbandonedError)):
             self.abandon(f"rank {self.rank}: refused: {task.name or 'a collective'} of this "
                          f"communicator failed on this rank after the ranks had agreed to run "
@@ -118,18 +117,27 @@ class Engine:
     def _refused(self) -> AbandonedError:
         return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
 
-    def submit(self, task: CommTask, inline: bool = False) -> None:
+    def submit(self, task: Collective, inline: bool = False) -> None:
         raise NotImplementedError
 
-    def submit_from_stream(self, task: CommTask) -> None:
+    def submit_from_stream(self, task: Collective) -> None:
         """Start ``task`` from inside a running task's steps (the negotiation's next round)."""
         raise NotImplementedError
 
     def progress(self) -> None:
         raise NotImplementedError
 
-    def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
+    def wait_for(self, task: Collective, timeout: Optional[float]) -> bool:
+        """Run or wait for ``task`` until it finished (True), or ``timeout`` seconds passed
+        first (False: it is marked late, see :meth:`missed`)."""
         raise NotImplementedError
+
+    def missed(self, task: Collective) -> bool:
+        """A wait for ``task`` missed its deadline: at close and exit, do not wait for it
+        while it has not finished (``stuck``). False, for ``wait_for`` to return."""
+        task.late = True
+        self.late.add(task)
+        return False
 
     def abandon(self, reason: str) -> None:
         """Refuse every later call (the message of the AbandonedError they raise)."""
@@ -143,21 +151,22 @@ class Engine:
             # tasks started meanwhile count too: a negotiation round that ends with a buffer
             # ready on this rank starts the next round (submit_from_stream); buffers marked
             # ready wait in the negotiator's queues, in no round yet
-            pending = [t for t in list(self.tasks) if not t._finished()]
+            pending = [t for t in list(self.tasks) if not t.done.flag]
             negotiator = self.negotiator
             if negotiator is not None:
                 with negotiator.lock:
                     pending += [t for q in negotiator.queues.values() for t in q]
                     if negotiator.current is not None:
                         pending.append(negotiator.current)
-            pending = [t for t in pending if not t._finished()]
+            pending = [t for t in pending if not t.done.flag]
             if not pending:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             try:
-                self.wait_for(pending[0], left)
+                if not self.wait_for(pending[0], left):
+                    return
             except Exception:  # at exit there is nobody left to tell
                 return
 
@@ -166,7 +175,7 @@ class Engine:
         if not self.closed and not self.stuck and self.abandoned is None:
             self.drain(timeout)
         self.closed = True
-        if not self.stuck and self.abandoned is None and all(t._finished() for t in self.tasks):
+        if not self.stuck and self.abandoned is None and all(t.done.flag for t in self.tasks):
             self.free_check()  # inactive: nothing will start it again
 
 
@@ -174,9 +183,10 @@ class NonBlockingEngine(Engine):
     """Non-blocking calls, up to ``task.window`` of one task in flight (a pipeline).
 
     The head task issues pipelined calls while fewer than its ``window`` are in flight, lands
-    them in issue order as they complete, and treats a fence as "nothing more until everything landed". A task starts only when every earlier
-    task has finished, so all ranks issue the same calls in the same order whatever their
-    timing. Only the thread holding the engine's lock calls MPI or runs a task's steps.
+    them in issue order as they complete, and treats a fence as "nothing more until everything
+    landed". A task starts only when every earlier task has finished, so all ranks issue the
+    same calls in the same order whatever their timing. Only the thread holding the engine's
+    lock calls MPI or runs a task's steps.
 
     Progress without the caller: at ``MPI_THREAD_MULTIPLE`` a progress thread tests the
     requests (under the lock, with back-off up to 1 ms) while tasks are in flight, so
@@ -205,45 +215,45 @@ class NonBlockingEngine(Engine):
         else:
             _UNATTENDED.add(self)
 
-    def submit(self, task: CommTask, inline: bool = False) -> None:
+    def submit(self, task: Collective, inline: bool = False) -> None:
         with self.lock:
             self._stamp(task)
             self.tasks.append(task)
         self.progress()
         self.wake.set()
 
-    def submit_from_stream(self, task: CommTask) -> None:
+    def submit_from_stream(self, task: Collective) -> None:
         self._stamp(task)  # the lock is held: steps only run inside progress
         self.tasks.append(task)
 
-    def _stop(self, task: CommTask, exc: Optional[BaseException] = None) -> None:
+    def _stop(self, task: Collective, exc: Optional[BaseException] = None) -> None:
         """No more calls for ``task`` (``exc``: why it failed); what is in flight still
         completes before the task is finished (MPI cannot cancel a collective)."""
         if exc is not None:
             self._failed(task, exc)
-        task._stopped = True
+        task.stopped = True
 
-    def _advance(self, task: CommTask) -> bool:
+    def _advance(self, task: Collective) -> bool:
         """Land what completed, issue what the window allows; True once ``task`` finished
         (its last call landed, or it failed and nothing of it is in flight)."""
         comm = self.comm
-        inflight = task._requests
+        inflight = task.requests
         while True:
             while inflight and inflight[0][0].Test():
                 land = inflight.popleft()[1]
                 self.moves += 1
-                if land is not None and task._error is None:
+                if land is not None and task.error is None:
                     try:
                         land()
                     except Exception as exc:  # raised by wait()
                         self._stop(task, exc)
-            if inflight and (task._stopped or task._blocked or len(inflight) >= task.window):
+            if inflight and (task.stopped or task.blocked or len(inflight) >= task.window):
                 return False
-            if task._stopped:
+            if task.stopped:
                 break
-            task._blocked = False
+            task.blocked = False
             try:
-                call = next(task._steps)
+                call = next(task.steps)
             except StopIteration:
                 self._stop(task)
                 continue
@@ -252,7 +262,7 @@ class NonBlockingEngine(Engine):
                 continue
             method = call.method
             if method is None and not call.check:
-                task._blocked = True  # a fence: the pause itself is skipped
+                task.blocked = True  # a fence: the pause itself is skipped
                 continue
             if self.abandoned is not None:
                 self._stop(task, self._refused())
@@ -265,12 +275,12 @@ class NonBlockingEngine(Engine):
                 self._stop(task, exc)
                 continue
             self.moves += 1
-            task._blocked = call.fence
+            task.blocked = call.fence
             # the call's arguments stay referenced until it landed: mpi4py keeps no
             # reference to a non-blocking call's arrays, and a scratch slot whose only other
             # owner was the finished generator would be freed (and reused) while MPI reads it
             inflight.append((request, call.land, call.args))
-        task._event.set()
+        task.done.set()
         return True
 
     def _progress(self) -> None:
@@ -327,7 +337,7 @@ class NonBlockingEngine(Engine):
             else:
                 backoff.sleep()
 
-    def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
+    def wait_for(self, task: Collective, timeout: Optional[float]) -> bool:
         unattended = self.thread is None and len(_UNATTENDED) > 1
 
         def done() -> bool:
@@ -338,18 +348,19 @@ class NonBlockingEngine(Engine):
                 try:
                     self._progress()
                     # without a deadline, block on the oldest call: nothing moves before it
-                    while (timeout is None and not others and not task._event.is_set()
-                           and self.tasks and self.tasks[0]._requests):
-                        self.tasks[0]._requests[0][0].Wait()
+                    while (timeout is None and not others and not task.done.flag
+                           and self.tasks and self.tasks[0].requests):
+                        self.tasks[0].requests[0][0].Wait()
                         self._progress()
                 finally:
                     self.lock.release()
-            return task._event.is_set()
+            return task.done.flag
 
         moves = ((lambda: sum(e.moves for e in tuple(_UNATTENDED))) if unattended
                  else (lambda: self.moves))
         if not poll(done, timeout, moves=moves):
-            raise task._timeout_error(timeout)
+            return self.missed(task)
+        return True
 
     def close(self, timeout: float) -> None:
         super().close(timeout)
@@ -392,7 +403,7 @@ class ThreadEngine(Engine):
 
     def __init__(self, comm: MPI.Comm, label: str = "") -> None:
         super().__init__(comm, label)
-        self.todo: Deque[CommTask] = collections.deque()  # started, nobody runs them yet
+        self.todo: Deque[Collective] = collections.deque()  # started, nobody runs them yet
         self.bell: "queue.SimpleQueue[Optional[bool]]" = queue.SimpleQueue()  # None: stop
         self.running = threading.Lock()
         self.asleep = True      # the thread waits with no timeout: every start must ring
@@ -400,11 +411,11 @@ class ThreadEngine(Engine):
         self.thread = threading.Thread(target=self._run, name="mpifusion-comm", daemon=True)
         self.thread.start()
 
-    def _execute(self, task: CommTask) -> None:
+    def _execute(self, task: Collective) -> None:
         """Run ``task`` to its end, blocking: first the call its caller left in flight at its
         deadline (if any), then the rest of its calls."""
         try:
-            pending = task._requests
+            pending = task.requests
             while pending:
                 request, land, _args = pending[0]
                 request.Wait()
@@ -416,19 +427,19 @@ class ThreadEngine(Engine):
             return
         self._run_steps(task, None)
 
-    def _execute_until(self, task: CommTask, deadline: float) -> bool:
+    def _execute_until(self, task: Collective, deadline: float) -> bool:
         """Run a ``polled`` task's calls, polling each, until ``deadline``: True once done (or
         failed); False if the deadline passed, leaving the call in flight in
-        ``task._requests`` (with its arrays) for :meth:`_execute` to finish."""
+        ``task.requests`` (with its arrays) for :meth:`_execute` to finish."""
         return self._run_steps(task, deadline)
 
-    def _run_steps(self, task: CommTask, deadline: Optional[float]) -> bool:
+    def _run_steps(self, task: Collective, deadline: Optional[float]) -> bool:
         """The one loop over a task's calls: without ``deadline`` each call completes before
         the next (a non-blocking form is waited for: see call.py); with one (``polled``
         tasks, whose calls are all non-blocking) each is polled until the deadline."""
         comm = self.comm
         try:
-            for call in task._steps:
+            for call in task.steps:
                 method = call.method
                 if method is None and not call.check:
                     if call.pause > 0:
@@ -445,7 +456,7 @@ class ThreadEngine(Engine):
                 # a counter that never moves: spin first, as a blocking call would
                 elif not poll(out.Test, max(0.0, deadline - time.monotonic()),
                               moves=lambda: 0):
-                    task._requests.append((out, land, call.args))
+                    task.requests.append((out, land, call.args))
                     return False
                 if land is not None:
                     land()  # the call landed
@@ -453,15 +464,15 @@ class ThreadEngine(Engine):
             self._failed(task, exc)
         return True
 
-    def _next(self) -> "tuple[Optional[CommTask], Optional[float]]":
+    def _next(self) -> "tuple[Optional[Collective], Optional[float]]":
         """The task the thread runs now, else how long it may sleep (None: until rung).
         The engine's lock is held."""
         now = time.monotonic()
         todo = self.todo
         if todo:
             head = todo[0]
-            left = HANDOFF_S - (now - head._since)
-            if not head._stealable or len(todo) > 1 or left <= 0:
+            left = HANDOFF_S - (now - head.since)
+            if not head.stealable or len(todo) > 1 or left <= 0:
                 return todo.popleft(), None
             return None, left
         if now - self.last < HOT_S:
@@ -486,27 +497,27 @@ class ThreadEngine(Engine):
                     if task is None:
                         break
                     self._execute(task)
-                task._event.set()
+                task.done.set()
 
-    def submit(self, task: CommTask, inline: bool = False) -> None:
+    def submit(self, task: Collective, inline: bool = False) -> None:
         """Start ``task``; ``inline`` (a small collective, no deadline) leaves it a moment
         for a waiting caller to run (:meth:`wait_for`) instead of waking the thread."""
         with self.lock:
             self._stamp(task)
-            task._stealable = inline
-            task._since = self.last = time.monotonic()
+            task.stealable = inline
+            task.since = self.last = time.monotonic()
             self.tasks.append(task)
             self.todo.append(task)
             if not inline or self.asleep:
                 self.asleep = False
                 self.bell.put(True)
 
-    def submit_from_stream(self, task: CommTask) -> None:
+    def submit_from_stream(self, task: Collective) -> None:
         self.submit(task)  # the comm thread never holds the lock for long
 
     def _progress(self) -> None:
         tasks = self.tasks
-        while tasks and tasks[0]._event._set:  # Latch.is_set(), without the call
+        while tasks and tasks[0].done.flag:
             tasks.popleft()
 
     def progress(self) -> None:
@@ -516,15 +527,15 @@ class ThreadEngine(Engine):
             finally:
                 self.lock.release()
 
-    def wait_for(self, task: CommTask, timeout: Optional[float]) -> None:
-        if task._stealable:
+    def wait_for(self, task: Collective, timeout: Optional[float]) -> bool:
+        if task.stealable:
             with self.lock:
                 self._progress()
                 todo = self.todo
                 # nobody runs it yet, every earlier task finished, the thread runs nothing
                 mine = bool((timeout is None or task.polled) and todo and todo[0] is task
                             and self.tasks[0] is task and self.running.acquire(blocking=False))
-                task._stealable = False  # run here, or else the thread takes it at once
+                task.stealable = False  # run here, or else the thread takes it at once
                 if mine:
                     todo.popleft()
                 else:
@@ -544,12 +555,13 @@ class ThreadEngine(Engine):
                             self.bell.put(True)
                     self.running.release()
                 if not finished:
-                    raise task._timeout_error(timeout)
-                task._event.set()
-                return  # finished tasks leave ``tasks`` at the next start or wait
-        if not task._event.wait(timeout):
-            raise task._timeout_error(timeout)
+                    return self.missed(task)
+                task.done.set()
+                return True  # finished tasks leave ``tasks`` at the next start or wait
+        if not task.done.wait(timeout):
+            return self.missed(task)
         self.progress()
+        return True
 
     def close(self, timeout: float) -> None:
         super().close(timeout)

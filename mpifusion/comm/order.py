@@ -28,7 +28,7 @@ from mpi4py import MPI
 from ..errors import OrderError
 from .poll import Backoff
 from .call import CHECK, FENCE, Call, Steps, pause
-from .task import CommTask
+from .record import Collective
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -89,14 +89,15 @@ def order_message(rank: int, rows: np.ndarray, where: str) -> str:
             f"negotiated) to let the ranks agree on an order")
 
 
-def verified_steps(task: CommTask, desc: Sequence[int], steps: Steps, comm: MPI.Comm) -> Steps:
+def verified_steps(task: Collective, desc: Sequence[int], steps: Steps, comm: MPI.Comm,
+                   words: Any) -> Steps:
     """``steps`` preceded by the order check (one all-reduce of two uint64, non-blocking on
-    every engine: see ``call.py``). ``desc`` is (kind, count, dtype, root, buffer id,
-    step, communicator key). The fingerprint covers the form of the calls that follow, so
-    ranks that would issue them differently stop here instead of deadlocking."""
+    every engine: see ``call.py``). ``desc`` is (kind, count, dtype, root, buffer id, step,
+    communicator key); ``words`` the engine's ``check_words``. The fingerprint covers the
+    form of the calls that follow, so ranks that would issue them differently stop here
+    instead of deadlocking."""
     h = fingerprint((task.seq, *desc, task.polled))
     # the engine's scratch: its tasks run one at a time, and this is a fence
-    words = task._engine.check_words
     words[0] = h
     words[1] = h ^ _MASK
     yield CHECK
@@ -123,12 +124,12 @@ class Negotiator:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.lock = threading.Lock()
-        self.queues: Dict[int, Deque[CommTask]] = {}
+        self.queues: Dict[int, Deque[Collective]] = {}
         self.active = False             # a round task is queued or running on this rank
-        self.current: Optional[CommTask] = None
+        self.current: Optional[Collective] = None
         self.rounds = 0                 # rounds run (for the benchmark)
 
-    def ready(self, item: int, task: CommTask) -> None:
+    def ready(self, item: int, task: Collective) -> None:
         """``task`` is ready on this rank; it runs once every rank has marked ``item`` ready."""
         with self.lock:
             self.queues.setdefault(item, collections.deque()).append(task)
@@ -143,9 +144,9 @@ class Negotiator:
                     self.queues[item].remove(task)
                 raise
 
-    def _round_task(self) -> CommTask:
-        task = CommTask(None, self.engine, name="order negotiation", rank=self.engine.rank)
-        task._steps = self._rounds(task)
+    def _round_task(self) -> Collective:
+        task = Collective(None, name="order negotiation", rank=self.engine.rank)
+        task.steps = self._rounds(task)
         task.on_fail = self._fail_all
         return task
 
@@ -158,11 +159,10 @@ class Negotiator:
             self.current = None
             self.active = False
         for t in items:
-            t._fail(exc)
-            if t._event is not None:
-                t._event.set()
+            t.fail(exc)
+            t.done.set()
 
-    def _rounds(self, rt: CommTask) -> Steps:
+    def _rounds(self, rt: Collective) -> Steps:
         words = self.WORDS
         send = np.zeros(2 * words + 2, dtype=np.uint64)
         recv = np.empty_like(send)
@@ -195,11 +195,11 @@ class Negotiator:
                 try:
                     yield from _own_landings(task)
                 except Exception as exc:  # a landing error: the task's, not the round's
-                    task._fail(exc)
+                    task.fail(exc)
                 rt.window = 1
                 with self.lock:
                     self.current = None
-                task._event.set()
+                task.done.set()
             rnd += 1
             if not np.any(anywhere & ~every):
                 # nothing ready anywhere that was not reduced now: every rank ends here
@@ -215,18 +215,18 @@ class Negotiator:
                 yield pause(backoff.next())
 
 
-def _own_landings(task: CommTask) -> Steps:
+def _own_landings(task: Collective) -> Steps:
     """``task``'s steps inside a negotiation round: its landing errors stay its own (not the
     round's), and it ends with a fence, so the round marks it finished only once landed."""
-    for call in task._steps:
+    for call in task.steps:
         if call.land is not None:
             call = call._replace(land=partial(_land_for, task, call.land))
         yield call
     yield FENCE
 
 
-def _land_for(task: CommTask, land: Any) -> None:
+def _land_for(task: Collective, land: Any) -> None:
     try:
         land()
     except Exception as exc:
-        task._fail(exc)
+        task.fail(exc)

@@ -160,12 +160,12 @@ def _stop_engines() -> None:
             if isinstance(engine, NonBlockingEngine):
                 engine.stop_thread()
             if (isinstance(engine, ThreadEngine) and engine.thread.is_alive()
-                    and any(not t._finished() for t in list(engine.tasks))):
+                    and any(not t.finished() for t in list(engine.tasks))):
                 blocked.append(engine)
             continue
         engine.close(timeout=30.0)
         if (isinstance(engine, ThreadEngine) and engine.thread.is_alive()
-                and any(not t._finished() for t in list(engine.tasks))):
+                and any(not t.finished() for t in list(engine.tasks))):
             blocked.append(engine)  # a collective the other ranks never joined
     _EXITING = True
     _ENGINES.clear()

@@ -106,13 +106,13 @@ def test_with_a_deadline_the_caller_runs_it_polling(comm):
     blocking, polled = _runners(c), _caller_polls(c)
     buf = np.full(16, rank + 1.0, np.float32)
     task = c.allreduce(buf, scale=1.0 / n, name="dl")
-    assert task.polled
+    assert task._op.polled
     task.wait()
     assert (buf == (n + 1) / 2).all()
     assert polled == [("dl", True)] and blocking == []
     big = np.full(INLINE_MAX_BYTES, rank + 1.0, np.float32)  # above the limit: the thread's
     task = c.allreduce(big, name="big")
-    assert not task.polled
+    assert not task._op.polled
     task.wait()
     assert (big == n * (n + 1) / 2).all() and polled == [("dl", True)]
 

@@ -13,6 +13,7 @@ from mpifusion.arrays import staging
 from mpifusion.comm import poll as pollmod
 from mpifusion.comm.engines import NonBlockingEngine
 from mpifusion.comm.call import FENCE, Call, pipelined
+from mpifusion.comm.record import Collective
 from mpifusion.comm.task import CommTask
 from mpifusion.config import MAX_WINDOW, WINDOW_ENV, CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
@@ -120,9 +121,13 @@ def _steps(count, landed, fence_at=None):
 
 
 def _task(engine, steps, window):
-    task = CommTask(steps, engine, name="t")
-    task.window = window
-    return task
+    """A collective's record, as the engine runs it (submit it to start it)."""
+    return Collective(steps, name="t", window=window)
+
+
+def _handle(engine, task):
+    """The caller's handle of a submitted record."""
+    return CommTask(task, engine)
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 8])
@@ -139,7 +144,7 @@ def test_engine_keeps_window_in_flight_and_lands_in_order(window):
         engine.progress()
         assert landed == [] and len(comm.requests) == min(window, 6)
     issued = len(comm.requests)
-    while not task._finished():
+    while not task.finished():
         pending = [r for _, _, r in comm.requests if not r.done]
         assert len(pending) <= window
         pending[0].done = True
@@ -149,7 +154,7 @@ def test_engine_keeps_window_in_flight_and_lands_in_order(window):
         assert len(comm.requests) >= issued
         issued = len(comm.requests)
     assert landed == list(range(6)) and [a[0] for _, a, _ in comm.requests] == list(range(6))
-    task.wait()
+    _handle(engine, task).wait()
 
 
 class ForgetfulComm(FakeComm):
@@ -184,7 +189,7 @@ def test_engine_keeps_a_calls_arrays_alive_until_it_lands(window):
     engine = NonBlockingEngine(comm, progress_thread=False)
     task = _task(engine, _scratch_steps(3), window)
     engine.submit(task)
-    while not task._finished():
+    while not task.finished():
         gc.collect()
         for _, refs, r in comm.requests:
             if not r.done:
@@ -192,7 +197,7 @@ def test_engine_keeps_a_calls_arrays_alive_until_it_lands(window):
         pending = [r for _, _, r in comm.requests if not r.done]
         pending[0].done = True
         engine.progress()
-    task.wait()
+    _handle(engine, task).wait()
     gc.collect()
     assert all(ref() is None for _, refs, _ in comm.requests for ref in refs)
 
@@ -230,7 +235,7 @@ def test_fence_waits_for_everything_before_it():
     assert landed == [0, 1] and len(comm.requests) == 5
     for _, _, r in comm.requests:
         r.done = True
-    task.wait(timeout=5)
+    _handle(engine, task).wait(timeout=5)
     assert landed == [0, 1, 3, 4]
 
 
@@ -246,12 +251,12 @@ def test_landing_error_stops_issuing_and_drains():
     engine.submit(task)
     comm.requests[0][2].done = True
     engine.progress()
-    assert len(comm.requests) == 2 and not task._finished()  # call 1 still in flight
+    assert len(comm.requests) == 2 and not task.finished()  # call 1 still in flight
     comm.requests[1][2].done = True
     engine.progress()
-    assert task._finished() and len(comm.requests) == 2
+    assert task.finished() and len(comm.requests) == 2
     with pytest.raises(Exception, match="division"):
-        task.wait()
+        _handle(engine, task).wait()
 
 
 def test_pause_is_a_fence_and_later_tasks_wait():
@@ -272,10 +277,10 @@ def test_pause_is_a_fence_and_later_tasks_wait():
     assert landed == [0] and len(comm.requests) == 2
     comm.requests[1][2].done = True
     engine.progress()
-    assert first._finished() and len(comm.requests) == 4  # the next task starts after
+    assert first.finished() and len(comm.requests) == 4  # the next task starts after
     for _, _, r in comm.requests:
         r.done = True
-    second.wait(timeout=5)
+    _handle(engine, second).wait(timeout=5)
     assert landed == [0, 1, 0, 1]
 
 
@@ -291,11 +296,11 @@ def test_progress_thread_moves_without_the_caller():
         task = _task(engine, _steps(4, landed), window=2)
         engine.submit(task)
         deadline = time.monotonic() + 10
-        while not task._finished() and time.monotonic() < deadline:
+        while not task.finished() and time.monotonic() < deadline:
             for _, _, r in list(comm.requests):
                 r.done = True  # the "network" completes them; the caller never polls
             time.sleep(1e-3)
-        assert task._finished() and landed == [0, 1, 2, 3]
+        assert task.finished() and landed == [0, 1, 2, 3]
     finally:
         engine.stop_thread()
     assert not engine.thread.is_alive()
