@@ -275,9 +275,8 @@ class StartTracker:
         """Receive every message still on its way here, and finish this rank's sends, before
         the communicator is freed (collective). A message left unreceived on a freed
         communicator is not harmless: Open MPI reuses the communicator's context, and a later
-        communicator's collective was seen to consume it (found by scripts/stress_buffers.py:
-        one rank one collective ahead of its peer, a hang). False if ``timeout`` passed first
-        or a peer is gone."""
+        communicator's collective was seen to consume it (that rank then ran one collective
+        ahead of its peer: a hang). False if ``timeout`` passed first or a peer is gone."""
         if self.size == 1 or self.broken:
             return not self.broken
         sent, due = self._sent.copy(), np.empty_like(self._sent)
