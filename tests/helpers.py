@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import pytest
 
@@ -49,24 +50,49 @@ def run_cmd(cmd: Sequence[str], *, timeout: float = 240, env: Optional[dict] = N
             hang_ok: bool = False) -> subprocess.CompletedProcess:
     """Any command (no launcher added), in its own session, with the same environment,
     time limit and kill as :func:`run_job`."""
-    cmd = [str(c) for c in cmd]
+    return run_cmds([cmd], timeout=timeout, env=env, cwd=cwd,
+                    stderr_to_stdout=stderr_to_stdout, hang_ok=hang_ok)[0]
+
+
+def run_cmds(cmds: Sequence[Sequence[str]], *, timeout: float = 240,
+             env: Optional[dict] = None, cwd: Optional[str] = None,
+             stderr_to_stdout: bool = False, hang_ok: bool = False,
+             started: Optional[Callable[[], object]] = None
+             ) -> List[subprocess.CompletedProcess]:
+    """Several commands at once (each as :func:`run_cmd` starts it), for tests of
+    concurrent processes; ``started`` runs once all are started (e.g. to release them
+    together). ``timeout`` bounds the whole group: past it every command still running is
+    killed with its session."""
+    cmds = [[str(c) for c in cmd] for cmd in cmds]
     full_env = dict(os.environ, **MPI_ENV)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE,
-                            text=True, env=full_env, cwd=cwd, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        if not hang_ok:
-            pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{(out or '')[-3000:]}"
-                        f"\n{(err or '')[-3000:]}")
-        return subprocess.CompletedProcess(cmd, None, out, err)  # type: ignore[arg-type]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE,
+                              text=True, env=full_env, cwd=cwd, start_new_session=True)
+             for cmd in cmds]
+    if started is not None:
+        started()
+    deadline = time.monotonic() + timeout
+    results = []
+    for cmd, proc in zip(cmds, procs):
+        try:
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            if not hang_ok:
+                for other in procs:  # leave nothing running behind a failed test
+                    if other.poll() is None:
+                        os.killpg(other.pid, signal.SIGKILL)
+                        other.communicate()
+                pytest.fail(f"{' '.join(cmd)} ran past {timeout} s:\n{(out or '')[-3000:]}"
+                            f"\n{(err or '')[-3000:]}")
+            results.append(subprocess.CompletedProcess(cmd, None, out, err))  # type: ignore[arg-type]
+            continue
+        results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return results
 
 
 def mpiexec(n: int, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -111,10 +137,26 @@ def free_ports(count: int) -> int:
     pytest.skip("no free local ports for gloo")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_tune_file(tmp_path_factory):
+    """A developer's own tune file (``$MPIFUSION_TUNE_FILE``, ``$XDG_CACHE_HOME`` or
+    ``~/.cache/mpifusion/tune.json``) or ``$MPIFUSION_SEGMENT_BYTES`` would change the default
+    segment size of every test and of every job a test starts: for the whole session both
+    point into a fresh folder (no tune file there) and the variable is unset. os.environ is
+    changed, not a copy, so :func:`run_cmd`'s jobs inherit it. Registered in conftest.py."""
+    folder = tmp_path_factory.mktemp("tune")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPIFUSION_TUNE_FILE", str(folder / "tune.json"))
+        mp.setenv("XDG_CACHE_HOME", str(folder / "cache"))
+        mp.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
+        yield folder / "tune.json"
+
+
 @pytest.fixture(autouse=True)
 def private_tune_file(tmp_path, monkeypatch):
-    """Never read or write the user's real tune file (autouse where a test module imports
-    it: tests/tools/test_tune_file.py)."""
+    """A fresh tune file for one test, for the modules whose tests write one
+    (tests/tools/test_tune_file.py, test_cli_tune.py import it as autouse), so that no test
+    sees another's entries."""
     path = tmp_path / "tune.json"
     monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
     monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)

@@ -6,7 +6,6 @@ from a kernel built with other flags or another source.
 """
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 
@@ -16,6 +15,8 @@ import pytest
 from mpifusion.arrays import backend, halfcast
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.errors import OptionError
+
+from tests.helpers import run_cmd
 
 HALVES = [pytest.param(float16, id="fp16"), pytest.param(bfloat16, id="bf16")]
 
@@ -204,8 +205,7 @@ def test_user_errors(monkeypatch):
         halfcast.path()
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("MPIFUSION_EXHAUSTIVE"),
-                    reason="all 2^32 fp32 patterns take ~1-2 minutes: MPIFUSION_EXHAUSTIVE=1")
+@pytest.mark.stress  # all 2^32 fp32 patterns take ~1-2 minutes: pytest --stress runs it
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("dt", HALVES)
 def test_narrow_every_fp32_pattern(dt):
@@ -343,14 +343,14 @@ def test_fast_math_build_cannot_flush_subnormals(flag, tmp_path):
         "from setuptools import Extension, setup\n"
         "setup(name='hc', ext_modules=[Extension('_halfcast', ['_halfcast.c'], "
         "extra_compile_args=['-O1', '-std=gnu99', '-Wno-psabi'])])\n")
-    env = dict(os.environ, CFLAGS=flag)
-    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    env = {"CFLAGS": flag}
+    build = run_cmd([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                    cwd=str(tmp_path), env=env, timeout=300)
     if build.returncode != 0:
         assert "must not be built with" in build.stdout + build.stderr
         return
-    probe = subprocess.run([sys.executable, "-c", _PROBE, str(tmp_path)], env=env,
-                           capture_output=True, text=True, check=True)
+    probe = run_cmd([sys.executable, "-c", _PROBE, str(tmp_path)], env=env, timeout=120)
+    assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["True", "True"], probe.stdout
 
 

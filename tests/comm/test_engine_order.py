@@ -33,7 +33,6 @@ nothing leaked, every result against a float64 reference.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -47,7 +46,7 @@ from mpifusion.comm.order import ALLREDUCE, REDUCE, fingerprint, order_message
 from mpifusion.comm.task import _deadline_seconds
 from mpifusion.errors import OptionError, OrderError
 
-from tests.helpers import run_job
+from tests.helpers import run_cmd, run_job
 
 # ---------------------------------------------------------------- the order check's pieces, no MPI
 
@@ -60,9 +59,10 @@ def test_fingerprint_is_the_same_in_every_process():
     depend on them (str hashing does; int tuples do not)."""
     code = ("from mpifusion.comm.order import fingerprint; "
             f"print(fingerprint({list(ROW)!r}))")
-    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": seed}, check=True).stdout.strip()
-            for seed in ("0", "1", "12345")}
+    runs = [run_cmd([sys.executable, "-c", code], env={"PYTHONHASHSEED": seed}, timeout=60)
+            for seed in ("0", "1", "12345")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    seen = {r.stdout.strip() for r in runs}
     assert seen == {str(fingerprint(ROW))}
     assert fingerprint(ROW) != fingerprint((5, ALLREDUCE, 64, 0, -1, 4, 7))  # another buffer
     assert 0 <= fingerprint(ROW) < 1 << 64

@@ -331,8 +331,7 @@ def test_paddle_two_ranks_reducing_hook_refused_data_parallel_kept(tmp_path):
     script = tmp_path / "paddle_job.py"
     script.write_text(PADDLE_JOB, encoding="utf-8")
     out = run_job(2, [sys.executable, str(script), str(free_ports(2)), str(tmp_path)],
-                  timeout=150, hang_ok=True)
-    assert out.returncode is not None, f"the job hung:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+                  timeout=150)  # a hung job fails the test with its output
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = _results(tmp_path, 2)
     for r in (0, 1):
@@ -390,9 +389,7 @@ def _torch_job(tmp_path, body: str, nranks: int, timeout: float = 150) -> dict:
     script = tmp_path / "job.py"
     script.write_text(TORCH_HEAD + textwrap.dedent(body) + TORCH_TAIL, encoding="utf-8")
     out = run_job(nranks, [sys.executable, str(script), str(tmp_path), str(nranks)],
-                  timeout=timeout, hang_ok=True)
-    assert out.returncode is not None, (
-        f"the job hung (killed after {timeout} s):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+                  timeout=timeout)  # a hung job fails the test with its output
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return _results(tmp_path, nranks)
 

@@ -9,7 +9,6 @@ References are independent: fp32 numpy sums computed here, cut by layouts comput
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import zipfile
@@ -21,6 +20,8 @@ import pytest
 from mpifusion.errors import FusionError, OptionError, OracleMismatch
 from mpifusion.oracle import assert_matches_reference, check, error_bound
 from mpifusion.oracle.dumps import DumpError
+
+from tests.helpers import run_cmd
 
 SHAPES = {"emb": (37, 5), "w": (7, 3), "b": (13,), "odd": (3, 1, 11)}
 
@@ -384,9 +385,8 @@ def test_pytest_plugin_fixture_fails_a_test_naming_the_param(tmp_path):
         def test_bad(mpifusion_oracle):
             mpifusion_oracle(SPEC, [{"in/w/0": x, "out/w": X[0].copy()} for x in X])
     """))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(test)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    proc = run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+                   timeout=120, cwd=str(tmp_path))
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
     assert "FAIL: 1 param(s) beyond the bound: w" in proc.stdout
 

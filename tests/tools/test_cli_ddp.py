@@ -3,19 +3,20 @@ a corrupted output fails it, naming the param."""
 from __future__ import annotations
 
 import pathlib
-import subprocess
 import sys
+from subprocess import CompletedProcess
 
 import pytest
+
+from tests.helpers import run_cmd
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ddp_check_example.py"
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
+def _run(*argv: str) -> CompletedProcess:
     pytest.importorskip("torch")
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
-                              text=True, timeout=280)
+        proc = run_cmd([sys.executable, str(SCRIPT), *argv], timeout=280)
         lines = proc.stdout.strip().splitlines()
         # gloo workers occasionally abort under load before any check ran: retry that once;
         # a verdict (PASS/FAIL line from mpifusion check) is never retried

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import mpi4py
@@ -11,7 +10,7 @@ import pytest
 
 from mpifusion.tools.cli import byte_size
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_cmd
 
 
 def test_info_json(capsys):
@@ -58,17 +57,38 @@ def test_info_under_mpiexec_rank0_prints_world_size(comm, capsys):
         assert out == ""
 
 
-@pytest.mark.parametrize("argv", [["layout", "--preset", "gpt2-small"],
-                                  ["layout", "--preset", "tiny", "--act", "reduce_scatter",
-                                   "--nranks", "3", "--json"],
-                                  ["check", "--spec", "nosuch.json", "nosuch_dir"]])
-def test_layout_and_check_never_initialise_mpi(argv):
-    """Planning and checking run anywhere: they must not even import mpi4py.MPI."""
+def _good_dump(folder) -> list:
+    """``check`` arguments for a 2-rank all-reduce dump that passes: the check reads and
+    compares everything, as far as any run of it goes."""
+    folder.mkdir()
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"params": [{"name": "w", "shape": [3], "dtype": "float32"}],
+                                "act": "all_reduce", "nranks": 2}))
+    ins = [np.array([1.0, 2.0, 3.0], np.float32), np.array([0.5, 0.25, -1.0], np.float32)]
+    out = ins[0] + ins[1]  # the spec asks for the sum (no "average")
+    for r, x in enumerate(ins):
+        np.savez(folder / f"rank{r}.npz", **{"in/w/0": x, "out/w": out})
+    return ["check", "--spec", str(spec), str(folder)]
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["layout", "--preset", "gpt2-small"], "no MPI 0"),
+    (["layout", "--preset", "tiny", "--act", "reduce_scatter", "--nranks", "3", "--json"],
+     "no MPI 0"),
+    ("check", "no MPI 0"),
+    (["info"], "MPI imported 0"),  # the probe sees MPI where a command does load it
+])
+def test_layout_and_check_never_initialise_mpi(argv, expect, tmp_path):
+    """Planning and checking run anywhere: they must not even import mpi4py.MPI, also when
+    a check goes all the way (reads every rank's dump, compares, says PASS)."""
+    if argv == "check":
+        argv = _good_dump(tmp_path / "dump")
     code = ("import sys\nfrom mpifusion.tools.cli import main\nrc = main(sys.argv[1:])\n"
             "print('MPI imported' if 'mpi4py.MPI' in sys.modules else 'no MPI', rc)")
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.stdout.strip().splitlines()[-1] in ("no MPI 0", "no MPI 2"), proc.stdout[-500:]
+    proc = run_cmd([sys.executable, "-c", code, *argv], timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == expect, proc.stdout[-500:] + proc.stderr[-500:]
+    if argv[0] == "check":
+        assert "PASS" in proc.stdout, proc.stdout[-500:]
 
 
 def test_bench_dispatches_arguments(capsys, monkeypatch):
@@ -81,11 +101,9 @@ def test_bench_dispatches_arguments(capsys, monkeypatch):
 
 
 def test_python_dash_m_and_usage_errors():
-    proc = subprocess.run([sys.executable, "-m", "mpifusion", "layout", "--nranks", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cmd([sys.executable, "-m", "mpifusion", "layout", "--nranks", "0"], timeout=120)
     assert proc.returncode == 2 and "--nranks: expected an integer >= 1" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "mpifusion", "--help"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cmd([sys.executable, "-m", "mpifusion", "--help"], timeout=120)
     assert proc.returncode == 0 and "layout" in proc.stdout and "check" in proc.stdout
 
 

@@ -9,17 +9,9 @@ import pytest
 from mpifusion.config import OptionError
 from mpifusion.tools import tune
 
-from tests.helpers import mpiexec, run_cli
+from tests.helpers import mpiexec, private_tune_file, run_cli  # noqa: F401  (autouse)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def private_tune_file(tmp_path, monkeypatch):
-    """Never write the user's real tune file."""
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
-    return path
 
 
 def _one_line(err: str) -> str:

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from mpifusion.config import CommOptions, OptionError
 from mpifusion.tools import tune
 
 from tests.helpers import private_tune_file  # noqa: F401  (autouse fixture)
+from tests.helpers import run_cmd, run_cmds
 
 MiB = 1 << 20
 
@@ -134,21 +136,14 @@ def test_concurrent_writers_keep_every_machine(private_tune_file, tmp_path):
     """Tune writers sharing one file (a home directory seen by
     several node types) read, changed and rewrote it without a lock, so one dropped what
     another had just recorded. Every writer's last entry must survive."""
-    import subprocess
-    import sys
-
     writers, rounds = 6, 25
     go = tmp_path / "go"
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
-    env = dict(__import__("os").environ,
-               PYTHONPATH=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-    procs = [subprocess.Popen([sys.executable, str(script), f"cpu {k}|L2={k}",
-                               str(private_tune_file), str(go), str(rounds)], env=env)
-             for k in range(writers)]
-    go.write_text("")
-    for proc in procs:
-        assert proc.wait(timeout=60) == 0
+    procs = run_cmds([[sys.executable, str(script), f"cpu {k}|L2={k}", str(private_tune_file),
+                       str(go), str(rounds)] for k in range(writers)],
+                     timeout=60, started=lambda: go.write_text(""))
+    assert [p.returncode for p in procs] == [0] * writers, [p.stderr for p in procs]
     data = json.loads(private_tune_file.read_text())
     assert data["version"] == 1
     assert {key: entry["segment_bytes"] for key, entry in data["machines"].items()} == \
@@ -326,8 +321,6 @@ def test_another_user_can_update_a_shared_tune_file(tmp_path):
     """The lock file was opened read-write: on a tune file shared by a group, the first
     user's lock file (0644 under umask 022) made every other user's ``tune`` fail with
     'Permission denied: ...tune.json.lock' after measuring. flock needs only read access."""
-    import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
@@ -342,10 +335,7 @@ def test_another_user_can_update_a_shared_tune_file(tmp_path):
             os.umask(old)
         os.chmod(path, 0o666)
         assert _mode(str(path) + ".lock") == 0o644
-        root = Path(__file__).resolve().parents[2]
-        proc = subprocess.run([sys.executable, "-c", _AS_OTHER_USER, str(path)],
-                              env=dict(os.environ, PYTHONPATH=str(root)),
-                              capture_output=True, text=True, timeout=60)
+        proc = run_cmd([sys.executable, "-c", _AS_OTHER_USER, str(path)], timeout=60)
         assert proc.returncode == 0, proc.stderr
         data = json.loads(path.read_text())
         assert data["machines"][machine.machine_key()] == {"segment_bytes": 8192}
