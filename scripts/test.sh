@@ -54,7 +54,18 @@ TORCH=torch==2.13.0
 # local), else from PyTorch's CPU index (MPIFUSION_TORCH_INDEX), else plain (macOS: CPU-only).
 TORCH_INDEX=${MPIFUSION_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 install() {  # install PYTHON EXTRAS: mpifusion (editable) with those extras, torch's CPU build
-  local py=$1 extras=$2
+  local py=$1 extras=$2 stamp want
+  # Nothing to do when this venv already has it from the same build files: the editable
+  # install rewrites the in-tree kernel (.so) under every process using it, and takes
+  # 20-60 s per venv.
+  stamp="$("$py" -c 'import sys; print(sys.prefix)')/mpifusion-test-install"
+  want="$extras $TORCH $(cat setup.cfg setup.py mpifusion/arrays/_halfcast.c | cksum)"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] &&
+     "$py" -I -c 'import mpifusion.arrays._halfcast' 2>/dev/null; then
+    echo "=== $py: mpifusion[$extras] is installed"
+    return
+  fi
+  echo "=== installing mpifusion[$extras] into $py"
   case ",$extras," in *,torch,*)
     "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH#torch==}')" 2>/dev/null ||
       "$py" -m pip install -q "$TORCH+cpu" 2>/dev/null ||
@@ -62,6 +73,7 @@ install() {  # install PYTHON EXTRAS: mpifusion (editable) with those extras, to
       "$py" -m pip install -q "$TORCH" ;;
   esac
   "$py" -m pip install -q -e ".[$extras]"
+  echo "$want" >"$stamp"
 }
 if [ -z "${MPIFUSION_NO_INSTALL:-}" ]; then
   # docs: Sphinx, so the documentation build test runs (and fails on a warning)

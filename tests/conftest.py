@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests import leftovers, skips
+# session-wide and autouse: no test or job sees a developer's own tune file (tests/helpers.py)
+from tests.helpers import isolated_tune_file  # noqa: F401
 
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
