@@ -1,9 +1,10 @@
 """The default step of each action against its raw MPI floor, all in rounds in one run.
 
-Issue 13's targets: the ALL_REDUCE step within 1.10x of the best raw segmented ``Allreduce``
-plus the same 1/n; REDUCE and REDUCE_SCATTER + sync_params within 1.15x of theirs. Every
-candidate runs once per round; rank 0 prints, per step, the median over rounds of
-``step / best floor of the same round`` (load that drifts during the run hits both alike).
+The targets of ``mpifusion bench``: the ALL_REDUCE step within 1.10x of the best raw
+segmented ``Allreduce`` plus the same 1/n; REDUCE and REDUCE_SCATTER + sync_params within
+1.15x of theirs. Every candidate runs once per round; rank 0 prints, per step, the median
+over rounds of ``step / best floor of the same round`` (load that drifts during the run hits
+both alike).
 
 Floors (no mpifusion; each the best of several ways, chosen per round):
 
@@ -29,11 +30,12 @@ import numpy as np
 from mpi4py import MPI
 
 from mpifusion import machine
-from mpifusion.runtime.buffer import HookAction
-from mpifusion.tools.bench import (_DEFAULT, _default_segment, best_per_round, build_buffers,
-                                   full_step, grad_bytes, make_params, mpi_name,
-                                   reduce_scatter_allgather, segmented_allreduce,
-                                   segmented_reduce, timeit_many)
+from mpifusion.plan.actions import HookAction
+from mpifusion.tools.bench.baselines import (reduce_scatter_allgather, segmented_allreduce,
+                                             segmented_reduce)
+from mpifusion.tools.bench.workload import (AUTO_STRATEGY, build_buffers, default_segment,
+                                            full_step, grad_bytes, make_params)
+from mpifusion.tools.timing import best_per_round, mpi_name, timeit_many
 
 MiB = 1 << 20
 SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
@@ -84,10 +86,10 @@ def main() -> None:
     for name in args.actions.split(","):
         act = HookAction[name]
         bufs = build_buffers(make_params(args.preset, None, rank, fill=False), act,
-                             256 * MiB, comm, _DEFAULT)
+                             256 * MiB, comm, AUTO_STRATEGY)
         keep.append(bufs)
         sync = act == HookAction.REDUCE_SCATTER
-        label = f"{name}{' + sync_params' if sync else ''} step [{_DEFAULT}]"
+        label = f"{name}{' + sync_params' if sync else ''} step [{AUTO_STRATEGY}]"
         fns[label] = (lambda b=bufs, y=sync: full_step(b, y))
         floors = floors_of[name](comm, grad_bytes(bufs) // 4)
         fns.update(floors)
@@ -97,10 +99,11 @@ def main() -> None:
             fns.update(fewer)
             info[label] = list(fewer)
     res = timeit_many(fns, comm, args.iters, args.warmup)
+    segment = default_segment(comm)  # collective: before rank 0 goes on alone
     if rank != 0:
         return
     print(f"# {args.preset}, {n} ranks, {mpi_name()}, {args.iters} rounds; "
-          f"{machine.cpu_model()}, default segment {_default_segment() // MiB} MiB")
+          f"{machine.cpu_model()}, default segment {segment // MiB} MiB")
     print("| step | ms (median) | best floor (most often) | floor ms | step / floor "
           "(median over rounds, min-max) | target | met |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

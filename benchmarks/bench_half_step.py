@@ -17,7 +17,8 @@ from mpi4py import MPI
 from mpifusion.arrays import halfcast
 from mpifusion.config import HALFCAST_ENV, CommOptions
 from mpifusion.runtime.buffer import HookAction
-from mpifusion.tools.bench import build_buffers, full_step, make_params, timeit_many
+from mpifusion.tools.bench.workload import build_buffers, full_step, make_params
+from mpifusion.tools.timing import timeit_many
 
 
 def main() -> None:

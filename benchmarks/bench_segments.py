@@ -18,8 +18,9 @@ from mpifusion import machine
 from mpifusion.config import CommOptions
 from mpifusion.runtime.buffer import FusedCommBuffer, HookAction
 from mpifusion.runtime.fusion import assign_group_by_size
-from mpifusion.tools.bench import (best_per_round, full_step, grad_bytes, make_params,
-                                   segmented_allreduce, timeit_many)
+from mpifusion.tools.bench.baselines import segmented_allreduce
+from mpifusion.tools.bench.workload import full_step, grad_bytes, make_params
+from mpifusion.tools.timing import best_per_round, timeit_many
 
 MiB = 1 << 20
 

@@ -6,11 +6,11 @@ import sys
 
 from mpi4py import MPI
 
-from mpifusion.tools import bench
+from mpifusion.tools.bench import measure, report, settings, workload
 
 
 def main(argv):
-    parser = bench.build_parser()
+    parser = settings.build_parser()
     parser.add_argument("--progress-thread", choices=("auto", "off"), default="auto",
                         help="off: no progress thread even at MPI_THREAD_MULTIPLE (progress "
                         "from the caller and the library only; an experiment)")
@@ -20,18 +20,18 @@ def main(argv):
     if args.segment_mb is not None:
         import functools
 
-        bench.CommOptions = functools.partial(bench.CommOptions,
-                                              segment_bytes=int(args.segment_mb * (1 << 20)))
+        workload.CommOptions = functools.partial(workload.CommOptions,
+                                                 segment_bytes=int(args.segment_mb * (1 << 20)))
     if args.progress_thread == "off":
         from mpifusion.comm import engines
 
-        engines._NonBlockingEngine.__init__.__defaults__ = ("", False)
+        engines.NonBlockingEngine.__init__.__defaults__ = ("", False)
     world = MPI.COMM_WORLD
-    b = bench.Bench(bench.settings(args, world.Get_size()), world, world.Dup())
-    bench.measure_meta(b)
-    bench.measure_window_sweep(b)
+    b = measure.Bench(settings.settings(args, world.Get_size()), world, world.Dup())
+    measure.measure_meta(b)
+    measure.measure_window_sweep(b)
     if b.rank == 0:
-        bench._print_table(*bench.table_window_sweep(b.res))
+        report.print_table(*report.table_window_sweep(b.res))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(b.res, fh, indent=1, default=str)

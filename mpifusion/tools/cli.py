@@ -1,128 +1,53 @@
-"""The ``mpifusion`` command: layout, run, check, info, bench.
+"""The ``mpifusion`` command: layout, run, check, info, bench, tune.
 
 Every rank of an ``mpiexec`` job parses the same arguments and validates the same input, so a
 bad input makes every rank exit with code 2 while only rank 0 prints the one-line error;
-output of the other subcommands is printed by rank 0 only as well.
+output of the other subcommands is printed by rank 0 only as well (``console``).
+
+Planning and checking run anywhere: this module and what it imports at the top load neither
+MPI nor numpy, so ``mpifusion layout`` starts fast and never initialises MPI. The commands
+that talk (run, info, tune, bench) import their MPI modules when they start.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
-import re
 import sys
+import traceback
 from typing import Any, Optional, Sequence, Tuple
 
-from ..errors import FusionError
+from .. import __version__
+from ..config import STRATEGIES, CommOptions
+from ..dtypes import is_half
+from ..errors import FusionError, LayoutError, OptionError
+from ..limits import InputLimitError, layout_problem, loads_strict_json, read_text
+from ..machine import default_segment_source
+from ..plan.grouping import PlanError
+from ..presets import PRESETS, PresetError, get_preset
+from ..spec import Spec, SpecError, load_spec, normalize_dtype
+from . import tune
+from .argtypes import Parser, byte_size, hook_action, non_negative_int, positive_int
+from .console import EXIT_FAIL, EXIT_INPUT, EXIT_PASS, error, say
+from .render import (LayoutDocError, check_layout_doc, compare_layouts, layout_json,
+                     layout_table)
+from .slurm import launch_problem, slurm_view, summary_lines, view_json
 
-EXIT_PASS, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+__all__ = ["main", "build_parser", "spec_from_args", "collect_info", "byte_size", "UsageError",
+           "EXIT_PASS", "EXIT_FAIL", "EXIT_INPUT"]
 
 
 class UsageError(FusionError, ValueError):
     """Bad input found after parsing (one line; names the option, file or field)."""
 
 
-#: Rank variables launchers set (MPICH/hydra, Open MPI, PMIx, Slurm): commands that need no
-#: MPI (layout, check) still print once per job without initialising MPI.
-_RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
-def _mpi() -> Any:
-    """mpi4py's MPI module, imported (and MPI initialised) only by commands that talk."""
-    from mpi4py import MPI
-
-    return MPI
-
-
-def _rank() -> int:
-    mod = sys.modules.get("mpi4py.MPI")
-    if mod is not None and mod.Is_initialized() and not mod.Is_finalized():
-        return mod.COMM_WORLD.Get_rank()
-    for key in _RANK_ENV:
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def _say(line: str = "") -> None:
-    if _rank() == 0:
-        print(line, flush=True)
-
-
-def _error(command: str, message: str) -> int:
-    if _rank() == 0:
-        print(f"mpifusion {command}: error: {message}", file=sys.stderr, flush=True)
-    return EXIT_INPUT
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are printed by rank 0 only (every rank still exits 2)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        if _rank() == 0:  # one line, like every other bad input (the usage is in --help)
-            print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr,
-                  flush=True)
-        raise SystemExit(EXIT_INPUT)
-
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if _rank() == 0:
-            super()._print_message(message, file)
-
-
-_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3}
-
-
-def byte_size(text: str) -> int:
-    """``268435456``, ``256M``, ``256MiB``, ``1G``: bytes, suffixes are powers of 1024."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 268435456 or "
-                                         f"256M, got {text!r}")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _act(text: str) -> str:
-    from ..errors import LayoutError
-    from ..plan.actions import HookAction
-
-    try:
-        return HookAction.parse(text).key
-    except LayoutError:
-        raise argparse.ArgumentTypeError(f"expected all_reduce, reduce or reduce_scatter, "
-                                         f"got {text!r}") from None
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from ..presets import PRESETS
-
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="NAME",
                      help=f"built-in model (default tiny): {', '.join(PRESETS)}")
     src.add_argument("--spec", metavar="FILE", help="JSON spec file (README, 'Command line')")
-    p.add_argument("--act", type=_act, help="all_reduce, reduce or reduce_scatter "
+    p.add_argument("--act", type=hook_action, help="all_reduce, reduce or reduce_scatter "
                    "(default: the spec's, all_reduce for presets)")
     p.add_argument("--group-size", type=byte_size, metavar="BYTES",
                    help="bytes per fused buffer, e.g. 256M (default: the spec's, 256 MiB)")
@@ -136,19 +61,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mpifusion", description="Fused gradient buffers over MPI: plan "
-                     "layouts, run and verify a gradient sync, check another implementation.")
-    from .. import __version__
-
+    parser = Parser(prog="mpifusion", description="Fused gradient buffers over MPI: plan "
+                    "layouts, run and verify a gradient sync, check another implementation.")
     parser.add_argument("--version", action="version", version=f"mpifusion {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     lay = sub.add_parser("layout", help="print the buffers fused_parameters builds (no MPI)",
                          description="Print the buffers fused_parameters would build, in its "
                          "order, with every param's offset and (reduce_scatter) slice per rank.")
     _add_model_args(lay)
-    lay.add_argument("--nranks", type=_positive, help="number of ranks (needed by reduce_scatter)")
+    lay.add_argument("--nranks", type=positive_int,
+                     help="number of ranks (needed by reduce_scatter)")
     lay.add_argument("--json", action="store_true", help="print the layout as JSON")
     lay.add_argument("--layout", metavar="THEIRS.json",
                      help="compare another implementation's layout JSON with ours; "
@@ -159,10 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "--acc-steps micro-steps per step, sync, and verify every rank's result "
                          "against a float64 reference with a stated error bound.")
     _add_model_args(run)
-    run.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
-    run.add_argument("--acc-steps", type=_positive,
+    run.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
+    run.add_argument("--acc-steps", type=positive_int,
                      help="micro-steps per step (default: the spec's; 2 for presets)")
-    run.add_argument("--seed", type=_non_negative, default=0, help="seed of the synthetic gradients")
+    run.add_argument("--seed", type=non_negative_int, default=0,
+                     help="seed of the synthetic gradients")
     run.add_argument("--release-grads", action="store_true",
                      help="allocate grad buffers per step and free them after (release_grads)")
     run.add_argument("--reduce-avg", action="store_true",
@@ -170,11 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scale-after-comm", action="store_true",
                      help="scale by 1/n after the collective instead of before")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    strategies = _strategies()
-    if strategies:
-        run.add_argument("--strategy", choices=strategies,
-                         help="how the Communicator runs collectives (default: "
-                         "$MPIFUSION_COMM_STRATEGY, else the library default)")
+    run.add_argument("--strategy", choices=STRATEGIES,
+                     help="how the Communicator runs collectives (default: "
+                     "$MPIFUSION_COMM_STRATEGY, else the library default)")
 
     chk = sub.add_parser("check", help="check another implementation's dump (no MPI)",
                          description="Recompute the reduced gradients of a dump in float64 and "
@@ -201,19 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "sizes and record the fastest for this machine type in a tune file "
                          "that the library takes as its default segment size "
                          "(segment_bytes= and $MPIFUSION_SEGMENT_BYTES still win).")
-    from .tune import add_arguments as _tune_arguments
-
-    _tune_arguments(tun)
+    tune.add_arguments(tun)
     return parser
 
 
 # --------------------------------------------------------------------------- specs
-
-
-def _strategies() -> tuple:
-    from ..config import STRATEGIES
-
-    return STRATEGIES
 
 
 def _check_dst(dst: Optional[int], world: Optional[int], nranks: Optional[int]) -> None:
@@ -238,9 +153,6 @@ def spec_from_args(args: argparse.Namespace, *, run: bool = False,
                    world: Optional[int] = None) -> Any:
     """The spec named by --preset/--spec with the command-line overrides applied; ``world``:
     the job's number of ranks (run), which --dst must be below."""
-    from ..dtypes import is_half
-    from ..spec import Spec, load_spec, normalize_dtype
-
     _check_dst(args.dst, world, getattr(args, "nranks", None))
     overrides: dict = {}
     if args.act is not None:
@@ -264,8 +176,6 @@ def spec_from_args(args: argparse.Namespace, *, run: bool = False,
             base["params"] = [{**p, "dtype": dtype} for p in base["params"]]
         source = args.spec
     else:
-        from ..presets import get_preset
-
         name = args.preset or "tiny"
         params = get_preset(name)  # --dtype: any dtype a spec file takes (float64 too)
         if dtype is not None:
@@ -297,12 +207,8 @@ def _refuse_sum(path: str) -> None:
 
 
 def _input_errors() -> tuple:
-    from ..errors import LayoutError
-    from ..oracle import DumpError
-    from ..presets import PresetError
-    from ..config import OptionError
-    from ..plan.grouping import PlanError
-    from ..spec import SpecError
+    """The errors that mean bad input: one line from rank 0, exit 2 on every rank."""
+    from ..oracle.dumps import DumpError  # the oracle loads numpy: only once a command failed
 
     return (SpecError, PresetError, PlanError, LayoutError, OptionError, DumpError, UsageError)
 
@@ -311,11 +217,6 @@ def _input_errors() -> tuple:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    from .render import (LayoutDocError, check_layout_doc, compare_layouts, layout_json,
-                         layout_table)
-
-    from ..limits import InputLimitError, layout_problem, loads_strict_json, read_text
-
     spec = spec_from_args(args)
     if spec.act == "reduce_scatter" and spec.nranks is not None:
         problem = layout_problem(len(spec.fused_params()), spec.nranks)
@@ -335,29 +236,29 @@ def cmd_layout(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.layout}: not valid JSON: {exc}")
         diffs = compare_layouts(doc, theirs)
         for line in diffs:
-            _say(line)
-        _say(f"FAIL: {len(diffs)} difference(s) from {args.layout}" if diffs
+            say(line)
+        say(f"FAIL: {len(diffs)} difference(s) from {args.layout}" if diffs
              else f"PASS: {args.layout} matches ({len(buffers)} buffer(s))")
         return EXIT_FAIL if diffs else EXIT_PASS
-    _say(json.dumps(doc, indent=1) if args.json else layout_table(doc, buffers))
+    say(json.dumps(doc, indent=1) if args.json else layout_table(doc, buffers))
     return EXIT_PASS
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..config import CommOptions
-    from .runjob import RunOptions, agree, run_job
+    from mpi4py import MPI  # initialises MPI: only the commands that talk import it
 
-    MPI = _mpi()
+    from .runjob import RunOptions, agree, run_job  # MPI and numpy
+
     comm = MPI.COMM_WORLD
-    spec, error, comm_options = None, None, None
+    spec, problem, comm_options = None, None, None
     try:
         spec = spec_from_args(args, run=True, world=comm.Get_size())
         comm_options = CommOptions.from_env(strategy=getattr(args, "strategy", None))
     except _input_errors() as exc:
-        error = str(exc)
-    error = agree(comm, error)
-    if error is not None:
-        return _error("run", error)
+        problem = str(exc)
+    problem = agree(comm, problem)
+    if problem is not None:
+        return error("run", problem)
     options = RunOptions(steps=args.steps, seed=args.seed, release_grads=args.release_grads,
                          reduce_avg=args.reduce_avg, scale_after_comm=args.scale_after_comm,
                          progress=not args.no_progress, comm_options=comm_options)
@@ -372,8 +273,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             comm.Abort(EXIT_INPUT)
         return EXIT_INPUT
     except Exception:  # a rank failing mid-collective must not leave the others blocked
-        import traceback
-
         sys.stderr.write(f"[rank {comm.Get_rank()}] mpifusion run failed:\n"
                          f"{traceback.format_exc()}")
         sys.stderr.flush()
@@ -384,12 +283,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """A thin layer over :func:`mpifusion.oracle.check`: print its report, exit 0/1."""
-    from ..oracle import check
+    from ..oracle import check  # numpy: layout starts without it
+    from ..oracle.plot import PlotError, plot_path, plot_report
 
     plot_file = None
     if args.plot:
-        from ..oracle.plot import PlotError, plot_path, plot_report
-
         try:  # a directory is refused before the check; the path printed is the one written
             plot_file = plot_path(args.plot)
         except PlotError as exc:
@@ -401,12 +299,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         except PlotError as exc:
             raise UsageError(f"--plot: {exc}") from None
     if args.json:
-        _say(json.dumps(report.to_json(), indent=1))
+        say(json.dumps(report.to_json(), indent=1))
     else:
         for line in report.lines():
-            _say(line)
+            say(line)
         if plot_file is not None:
-            _say(f"plot: {plot_file}")
+            say(f"plot: {plot_file}")
     return EXIT_PASS if report.ok else EXIT_FAIL
 
 
@@ -418,10 +316,6 @@ def _segment_default() -> Tuple[Optional[int], str]:
     """This rank's default segment size and where it comes from: ranks of one job take the
     smallest, so a node with another tune file or cache shows up here (None: the setting
     is refused, and why)."""
-    from ..config import CommOptions
-    from ..errors import OptionError
-    from ..machine import default_segment_source
-
     try:
         options = CommOptions.from_env()
     except OptionError as exc:
@@ -433,14 +327,12 @@ def _segment_default() -> Tuple[Optional[int], str]:
 
 def collect_info() -> dict:
     """What a user needs to know of the MPI and the devices this job sees."""
-    import mpi4py
+    import mpi4py  # MPI, numpy and the array backends: only info and run load them
     import numpy
+    from mpi4py import MPI
 
-    from .. import __version__
     from ..arrays import backend
     from ..arrays.cuda import is_cuda_aware
-
-    MPI = _mpi()
 
     level = MPI.Query_thread()
     level_name = next((name for attr, name in _THREAD_LEVELS.items()
@@ -453,8 +345,6 @@ def collect_info() -> dict:
         except Exception:
             gpus = 0
     version = MPI.Get_version()
-    from .slurm import slurm_view, view_json
-
     segment, source = _segment_default()
 
     return {
@@ -479,13 +369,11 @@ def collect_info() -> dict:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Exit 1 when srun started more tasks than MPI's world holds (PMI mismatch)."""
-    from .slurm import launch_problem, slurm_view, summary_lines
-
     info = collect_info()
     view = slurm_view(os.environ)
     problem = launch_problem(view, info["world_size"])
     if args.json:
-        _say(json.dumps({**info, "launch_problem": problem}, indent=1))
+        say(json.dumps({**info, "launch_problem": problem}, indent=1))
         return EXIT_FAIL if problem else EXIT_PASS
     labels = {"mpi_library": "MPI library", "mpi_standard": "MPI standard",
               "thread_level": "thread level", "world_size": "world size",
@@ -500,32 +388,31 @@ def cmd_info(args: argparse.Namespace) -> int:
         if key == "segment_bytes":
             value = (f"{value} bytes ({info['segment_source']})" if value is not None
                      else info["segment_source"])
-        _say(f"{label + ':':<16}{value}")
+        say(f"{label + ':':<16}{value}")
         if key == "processor":  # the Slurm view next to MPI's
             for slurm_label, slurm_value in summary_lines(view):
-                _say(f"{slurm_label + ':':<16}{slurm_value}")
+                say(f"{slurm_label + ':':<16}{slurm_value}")
     if problem:
-        _say(f"warning: {problem}")
+        say(f"warning: {problem}")
         return EXIT_FAIL
     return EXIT_PASS
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tune import run
-
-    return run(args, say=_say)
+    return tune.run(args, say=say)
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
     """Bad arguments: one line from rank 0 and exit 2 on every rank (checked on every rank
     before anything is measured), as for the other subcommands."""
-    bench = importlib.import_module("mpifusion.tools.bench")
+    from .bench import main as bench_main  # MPI and numpy: only this command loads them
+
     try:
-        return int(bench.main(list(argv)) or 0)
+        return int(bench_main(list(argv)) or 0)
     except SystemExit as exc:  # --help, usage errors (printed by rank 0)
         return exc.code if isinstance(exc.code, int) else EXIT_INPUT
     except _input_errors() as exc:
-        return _error("bench", str(exc))
+        return error("bench", str(exc))
 
 
 _COMMANDS = {"layout": cmd_layout, "run": cmd_run, "check": cmd_check, "info": cmd_info,
@@ -545,7 +432,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except _input_errors() as exc:
-        return _error(args.command, str(exc))
+        return error(args.command, str(exc))
     except BrokenPipeError:  # e.g. `mpifusion layout | head`: not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

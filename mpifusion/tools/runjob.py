@@ -157,7 +157,7 @@ def spec_digest(spec: Spec) -> str:
     return hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def _ranks_on_this_node(comm: MPI.Comm) -> int:
+def ranks_on_this_node(comm: MPI.Comm) -> int:
     """How many ranks of ``comm`` share this machine's memory (collective)."""
     try:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -188,7 +188,7 @@ def check_job_spec(spec: Spec, comm: MPI.Comm) -> Optional[str]:
     error bound (too many micro-steps leave no accuracy to check), and the memory the run
     needs against what this machine has for its ranks. Collective (every rank calls it)."""
     size = comm.Get_size()
-    ranks_here = _ranks_on_this_node(comm)
+    ranks_here = ranks_on_this_node(comm)
     if spec.nranks is not None and spec.nranks != size:
         return f"nranks: the spec says {spec.nranks} ranks, but the job has {size}"
     if spec.act == "reduce" and not 0 <= spec.dst < size:

@@ -17,6 +17,13 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from .. import __version__, machine
+from ..config import CommOptions
+from ..dtypes import ALIAS_NAMES, as_dtype
+from ..errors import OptionError
+from ..limits import memory_problem
+from .argtypes import from_check
+
 MiB = 1 << 20
 DEFAULT_SEGMENTS = "0.25,0.5,1,2,4,8,16,32"
 #: --mb and --segments are at most 1 TiB (the largest segment size a tune file may record)
@@ -38,8 +45,6 @@ def _mib(text: Any) -> float:
 
 
 def _dtype(text: Any) -> str:
-    from ..dtypes import ALIAS_NAMES
-
     name = ALIAS_NAMES.get(text.lower()) if isinstance(text, str) else None
     if name is None:
         raise ValueError(f"expected {DTYPES}, got {str(text)!r}")
@@ -56,27 +61,15 @@ def _rounds(text: Any) -> int:
     return value
 
 
-def _argtype(check: Any, name: str) -> Any:
-    """``check`` as an argparse type: its ValueError becomes argparse's one-line error."""
-    def convert(text: str) -> Any:
-        try:
-            return check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = name
-    return convert
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mb", type=_argtype(_mib, "mib"), default=128.0,
+    p.add_argument("--mb", type=from_check(_mib, "mib"), default=128.0,
                    help="buffer size in MiB (default 128: real fusion groups are 256); only "
                         "segment sizes up to it are timed")
     p.add_argument("--segments", default=DEFAULT_SEGMENTS, metavar="MIB,MIB,...",
                    help=f"segment sizes in MiB to try (default {DEFAULT_SEGMENTS})")
-    p.add_argument("--dtype", type=_argtype(_dtype, "dtype"), default="float32",
+    p.add_argument("--dtype", type=from_check(_dtype, "dtype"), default="float32",
                    help=f"buffer dtype: {DTYPES} (default float32)")
-    p.add_argument("--rounds", type=_argtype(_rounds, "rounds"), default=5,
+    p.add_argument("--rounds", type=from_check(_rounds, "rounds"), default=5,
                    help="timed rounds (default 5)")
     p.add_argument("--output", metavar="FILE",
                    help="tune file to update (default: $MPIFUSION_TUNE_FILE, else "
@@ -85,8 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _segments(text: str) -> List[int]:
-    from ..config import OptionError
-
     out = []
     for item in str(text).split(","):
         try:
@@ -110,8 +101,6 @@ def _fmt(nbytes: int) -> str:
 def _checked(args: argparse.Namespace) -> tuple:
     """``(mb, dtype name, rounds, segment sizes)`` of ``args``, checked again here for
     callers that build the namespace themselves (OptionError naming the option)."""
-    from ..config import OptionError
-
     values = []
     for option, check in (("--mb", _mib), ("--dtype", _dtype), ("--rounds", _rounds)):
         try:
@@ -125,8 +114,6 @@ def _checked(args: argparse.Namespace) -> tuple:
 def _output(path: Optional[str]) -> None:
     """Refuse an ``--output`` that can name no file before the sweep, not after it (an empty
     one was "[Errno 21] is a directory: ''" once the measuring was done)."""
-    from ..config import OptionError
-
     if path is None:
         return
     if not str(path).strip():
@@ -140,8 +127,6 @@ def sweep(segments: Sequence[int], buffer_bytes: int, itemsize: int) -> tuple:
     """``(timed, cut)``: the segment sizes a buffer of ``buffer_bytes`` can be cut into
     (at most its size; a larger segment is the whole buffer again), and those left out.
     OptionError when fewer than two remain, naming the smallest --mb that allows a sweep."""
-    from ..config import OptionError
-
     timed = [seg for seg in segments if seg <= buffer_bytes]
     cut = [seg for seg in segments if seg > buffer_bytes]
     if len(timed) < 2:
@@ -158,16 +143,13 @@ def sweep(segments: Sequence[int], buffer_bytes: int, itemsize: int) -> tuple:
 
 def run(args: argparse.Namespace, say: Any = print) -> int:
     """Measure, print (rank 0) and record; returns the exit code (same on every rank)."""
+    # numpy and MPI: only a tune that runs loads them (every command builds tune's parser)
     import numpy as np
     from mpi4py import MPI
 
-    from .. import __version__, machine
     from ..comm.communicator import Communicator
-    from ..config import CommOptions, OptionError
-    from ..dtypes import as_dtype
-    from ..limits import memory_problem
-    from .bench import mpi_name, timeit_many
-    from .runjob import _ranks_on_this_node, agree
+    from .runjob import agree, ranks_on_this_node
+    from .timing import mpi_name, timeit_many
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -185,7 +167,7 @@ def run(args: argparse.Namespace, say: Any = print) -> int:
     need = numel * dtype.itemsize + (2 * 4 * (max(segments) // dtype.itemsize)
                                      if dtype.itemsize == 2 else 0)
     error = memory_problem(need, f"--mb {mb:.10g}: the {dtype.name} buffer",
-                           _ranks_on_this_node(comm))
+                           ranks_on_this_node(comm))
     buf = None
     if error is None:
         try:
