@@ -28,7 +28,7 @@ from ..dtypes import as_dtype, dtype_name
 from ..errors import OracleMismatch
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, ReferenceSum, bound_model, error_bound, format_ratio
-from .dumps import DumpError, _array, _open_npz, _rank_files
+from .dumps import DumpError, DumpFile, rank_files, read_array
 
 
 DumpsLike = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]", Mapping]]]
@@ -337,11 +337,11 @@ def _open_dumps(dumps: Any, nranks: Optional[int]) -> tuple:
         directory = os.fspath(dumps)
         if nranks is None:
             raise DumpError("nranks: required by check (the number of rank files to read)")
-        paths = _rank_files(directory, nranks)
+        paths = rank_files(directory, nranks)
         files = []
         try:
             for path in paths:
-                files.append(_open_npz(path))
+                files.append(DumpFile(path))
         except DumpError:
             for f in files:
                 f.close()
@@ -366,7 +366,7 @@ def _open_dumps(dumps: Any, nranks: Optional[int]) -> tuple:
                 labels.append(os.fspath(item))
                 if not os.path.isfile(labels[-1]):
                     raise DumpError(f"{labels[-1]}: missing (rank {r}'s dump)")
-                files.append(_open_npz(labels[-1]))
+                files.append(DumpFile(labels[-1]))
             else:
                 raise DumpError(f"dumps[{r}]: expected a .npz path or a dict of arrays, got "
                                 f"{type(item).__name__}")
@@ -652,7 +652,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
         own = ReferenceSum() if act == "reduce" else None
         digest = hashlib.blake2b(digest_size=16)
         for k in range(acc):
-            x = _array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
+            x = read_array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
             x = np.zeros(p.shape) if x is None else x
             _check_representable(x, grad_dtype, f"{lab}: in/{p.name}/{k}")
             digest.update(np.ascontiguousarray(x).tobytes())
@@ -700,12 +700,12 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
 
     for rank, (lab, f) in enumerate(zip(labels, files)):
         if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
-            out = _array(f, lab, key, p.shape, p.dtype)
+            out = read_array(f, lab, key, p.shape, p.dtype)
             fold(rank, out.reshape(-1), ref_flat, bound_flat, overflow)
         elif act == "reduce":
             # Paddle's rule off the root: the rank keeps its own accumulated grads, scaled by
             # 1/n like the whole buffer unless the collective averaged (use_reduce_avg)
-            out = _array(f, lab, key, p.shape, p.dtype, missing_ok=True)
+            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True)
             if out is None:
                 continue
             scaled = spec.average and not reduce_avg
@@ -721,14 +721,14 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                 continue
             begin, end = rng
             pieces[rank] = rng
-            out = _array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end)
+            out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end)
             if out is not None and end > begin:
                 fold(rank, out, ref_flat[begin:end], bound_flat[begin:end],
                      overflow[begin:end], begin)
         else:  # reduce_scatter, Paddle's cut: a slice of the padded slot (padding must be 0)
             piece = slices.piece(p.name, rank)
             lo, hi = piece if piece else (0, 0)
-            out = _array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece)
+            out = read_array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece)
             if out is None or not piece:
                 continue
             pad = max(hi - p.numel, 0)
@@ -770,7 +770,7 @@ def _check_gather(report: CheckReport, p: Any, act: str, labels: list, files: li
         else:
             raise DumpError(f"{lab}: range/{p.name}: missing (shard/{p.name} needs the "
                             f"[begin, end) it covers; act {act} has no default cut)")
-        shard = _array(f, lab, key, (hi - lo,), p.dtype)
+        shard = read_array(f, lab, key, (hi - lo,), p.dtype)
         hi_in = min(hi, numel)  # Paddle's cut may run into padding: not part of the param
         if hi_in <= lo:
             continue
@@ -790,7 +790,7 @@ def _check_gather(report: CheckReport, p: Any, act: str, labels: list, files: li
         raise DumpError(f"{labels[0]}: param/{p.name}: missing on every rank (the full param "
                         f"after the all-gather, shaped {list(p.shape)})")
     for rank, lab, f in gathered:
-        full = _array(f, lab, f"param/{p.name}", p.shape, p.dtype).reshape(-1)
+        full = read_array(f, lab, f"param/{p.name}", p.shape, p.dtype).reshape(-1)
         bad = int(np.count_nonzero(covered & _bits_differ(full, expected)))
         stats.compared += int(np.count_nonzero(covered))
         if bad:
