@@ -107,26 +107,32 @@ export MPIFUSION_SKIP_LOG=$RUN_DIR/outcomes
 export MPIFUSION_TEST_RUN=${RUN_DIR##*.}
 "$PYTHON" tests/leftovers.py snapshot "$RUN_DIR/before.json"
 
+# Every phase runs even after one failed (CI shows all failures at once); the exit status is
+# 1 when any phase, the skip report or the leftover check failed.
 TIMES=()
+FAILED=()
 SUITE_START=$SECONDS
-phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time
+phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time and outcome
   local label=$1 start=$SECONDS rc=0
   shift
   echo "=== $label"
   MPIFUSION_RUN_LABEL=$label "$@" || rc=$?
   TIMES+=("$(printf '%-14s %4d s' "$label" $((SECONDS - start)))$([ "$rc" = 0 ] || echo " (exit $rc)")")
-  [ "$rc" = 0 ] || { echo "scripts/test.sh: $label failed (exit $rc)" >&2; return "$rc"; }
+  [ "$rc" = 0 ] || FAILED+=("$label")
 }
 finish() {
-  local rc=$? check=0
+  local rc=$?
   echo "=== times"
   printf '%s\n' "${TIMES[@]}"
   printf '%-14s %4d s\n' total $((SECONDS - SUITE_START))
   echo "=== what the run left behind"
   "$PYTHON" tests/leftovers.py check "$RUN_DIR/before.json" --token "$MPIFUSION_TEST_RUN" ||
-    check=1
+    FAILED+=("leftover check")
   rm -rf "$RUN_DIR"
-  [ "$rc" != 0 ] || rc=$check
+  if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "scripts/test.sh: FAILED: ${FAILED[*]}" >&2
+    [ "$rc" != 0 ] || rc=1
+  fi
   exit "$rc"
 }
 trap finish EXIT
@@ -134,7 +140,7 @@ trap finish EXIT
 MPIEXEC=${MPIEXEC:-mpiexec}
 # python -m mpi4py: an uncaught error on one rank aborts every rank instead of hanging.
 for n in ${MPIFUSION_TEST_RANKS:-1 2 3 4 8}; do
-  phase "mpich-n$n" timeout --signal=KILL 1200 "$MPIEXEC" -n "$n" \
+  phase "mpi-n$n" timeout --signal=KILL 1200 "$MPIEXEC" -n "$n" \
     "$PYTHON" -m mpi4py -m pytest --only-mpi -q "$@" tests
 done
 if [ -n "$OMPI_PY" ]; then
@@ -145,4 +151,4 @@ if [ -n "$OMPI_PY" ]; then
 fi
 phase serial "$PYTHON" -m pytest -q "$@" tests
 echo "=== skips of every run"
-"$PYTHON" tests/skips.py report "$MPIFUSION_SKIP_LOG"
+"$PYTHON" tests/skips.py report "$MPIFUSION_SKIP_LOG" || FAILED+=("skip report")
