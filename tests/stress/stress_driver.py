@@ -1,13 +1,15 @@
 """Randomized stress driver for mpifusion's public API: hunts for silent wrong answers.
 
-usage: mpiexec -n N python scripts/stress_buffers.py NTRIALS [BASE_SEED] [--only SEED] [-v]
+usage: mpiexec -n N python -m mpi4py tests/stress/stress_driver.py NTRIALS [BASE_SEED] [--only SEED] [-v]
+(tests/stress/test_stress_buffers.py runs it: pytest --stress, or MPIFUSION_STRESS=1). Exit
+status 1 on every rank when a trial failed.
 
 Environment: STRESS_SEEDS=a,b,c (those seeds only), STRESS_WATCHDOG=s (dump every thread's
 stack and exit after s seconds in one trial; default 150), STRESS_OUT=dir (where the per-rank
 stack files mpifusion_stress_<tag>_<n>_<rank>.txt go; default the temp dir), STRESS_TAG,
-STRESS_MUTATE=buf (self-test: one element off, every trial must FAIL). Not part of the test
-suite (minutes per run); the bugs it found have regression tests there
-(tests/mpi/test_mpi_inline.py::test_fresh_engines_run_what_no_caller_waits_for).
+STRESS_MUTATE=buf (self-test: one element off, every trial must FAIL). Opt-in, not in the
+default run; the bugs it found have regression tests in the suite
+(tests/comm/test_inline_collectives.py::test_fresh_engines_run_what_no_caller_waits_for).
 
 Every rank draws the same trial from random.Random(seed); per-rank choices (call order,
 feed modes, unused params) come from per-(seed, rank) generators that every rank can rebuild.
@@ -904,6 +906,7 @@ def main():
         print(f"DONE {WN} ranks {MPI.Get_library_version().splitlines()[0].split(',')[0].strip()}: "
               f"{nok} ok ({ninexact} with some inexact-tolerance elements), {nskip} skipped, "
               f"{nfail} FAILED, {time.time() - t0:.1f} s", flush=True)
+    sys.exit(1 if nfail else 0)
 
 
 if __name__ == "__main__":
