@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from mpifusion.errors import FusionError
 from mpifusion.limits import InputLimitError, json_depth, loads_json
-from mpifusion.oracle.dumps import DumpError, DumpFile, _array, _rank_files
+from mpifusion.oracle.dumps import DumpError, DumpFile
+from mpifusion.oracle.dumps import rank_files as _rank_files, read_array as _array
 
 from tests.forge import FUZZ, forge_zip, hostile_dumps, npy_bytes, refused_without_blocking
 

@@ -66,7 +66,7 @@ def test_tiny_model_small_sweeps_applicable_targets_files_in_out(tmp_path):
 
 
 def test_step_rows_take_their_collectives_factor():
-    from mpifusion.tools.bench import _kind
+    from mpifusion.tools.bench.report import step_kind as _kind
 
     assert _kind("ALL_REDUCE [thread]") == "all_reduce"
     assert _kind("REDUCE [nonblocking]") == "reduce"
@@ -104,7 +104,7 @@ def test_bandwidth_one_definition():
 
 
 def test_run_and_bench_use_the_shared_definition():
-    import mpifusion.tools.bench as bench
+    import mpifusion.tools.bench.measure as bench
     import mpifusion.tools.runjob as runjob
 
     assert runjob.bus_factor is bus_factor and runjob.algbw is algbw

@@ -30,10 +30,8 @@ from typing import Optional, Sequence
 from mpi4py import MPI
 
 from ...errors import OptionError
-from ..bandwidth import algbw, busbw  # noqa: F401 (the tests' check that bench shares them)
 from .measure import MEASUREMENTS, Bench
 from .report import report
-from .report import step_kind as _kind  # noqa: F401 (the tests' name, until they move)
 from .settings import auto_group_sweep, auto_size_sweep, build_parser, prepare_outputs, settings
 from .targets import targets
 
