@@ -274,7 +274,3 @@ def _dtype_problem(dt: np.dtype, spec_dtype: str) -> Optional[str]:
                 f"{spec_dtype}; store {spec_dtype} values as {spec_dtype}")
     return (f"dtype {dt} is not a floating dtype (bfloat16 may be stored as raw 2-byte "
             f"values)")
-
-
-#: the names these readers had before they were shared with ``check`` (tests still use them)
-_rank_files, _array = rank_files, read_array
