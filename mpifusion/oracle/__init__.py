@@ -15,8 +15,9 @@ from typing import Any
 from ..errors import OracleMismatch
 from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound, format_ratio,
                     reduce_dtype, summed, unit_roundoff)
-from .check import CheckReport, CoverageIssue, SyncStats, as_spec, check, check_dump
+from .check import as_spec, check, check_dump
 from .dumps import DumpError
+from .report import CheckReport, CoverageIssue, SyncStats
 
 
 def assert_matches_reference(spec: Any, dumps: Any, **options: Any) -> CheckReport:

@@ -254,7 +254,7 @@ def _floating(dt: np.dtype, spec_dtype: str) -> bool:
     """A float dtype the oracle reads: fp16/32/64, bfloat16, or raw 2-byte values (``V2`` or
     ``uint16``: numpy's .npz cannot name bfloat16) for a bfloat16 param only -- the same raw
     bytes read as bfloat16 for an fp16 param are other numbers, and a wrong result could
-    pass (found by a red-team review)."""
+    pass."""
     return _dtype_problem(dt, spec_dtype) is None
 
 

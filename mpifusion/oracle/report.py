@@ -1,0 +1,238 @@
+"""What :func:`~mpifusion.oracle.check` reports: per-param gradient statistics, the pieces
+no rank (or several ranks) held, the param all-gathers, and the verdict.
+
+Kept apart from the checking itself (``check``), which fills it in: the report is what a
+user reads, prints, saves as JSON or plots, and none of that needs the dumps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import OracleMismatch
+from .bound import ErrorStats, format_ratio
+
+
+@dataclass(frozen=True)
+class CoverageIssue:
+    """Elements ``[begin, end)`` of a flattened param that no rank holds (``gap``: those
+    elements are unchecked, so the param fails) or that several ranks hold (``overlap``:
+    reported, each rank's values are still checked)."""
+
+    name: str
+    what: str   # "out" (reduce-scattered grads) or "shard" (param shards)
+    kind: str   # "gap" or "overlap"
+    begin: int
+    end: int
+    ranks: tuple = ()
+
+    @property
+    def fails(self) -> bool:
+        return self.kind == "gap"
+
+    def __str__(self) -> str:
+        who = (f"held by ranks {', '.join(map(str, self.ranks))}" if self.kind == "overlap"
+               else "held by no rank")
+        return f"{self.name}: {self.what}/ {self.kind} [{self.begin}, {self.end}) {who}"
+
+
+@dataclass
+class SyncStats:
+    """The param all-gather of one param: every rank's ``param/{name}`` against the shards."""
+
+    name: str
+    compared: int = 0
+    mismatched: int = 0        # elements differing in bits from the shard that holds them
+    ranks: list = field(default_factory=list)  # ranks whose gathered param differs
+    conflicts: int = 0         # elements where overlapping shards disagree
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched == 0 and self.conflicts == 0
+
+
+@dataclass
+class CheckReport:
+    """Result of :func:`check`: per-param gradient stats in spec order (``stats``), the same
+    per rank (``rank_stats[name][rank]``), the bound per grad dtype, shard coverage issues and
+    the all-gather stats (``sync``)."""
+
+    stats: list
+    bounds: dict  # grad dtype -> formula
+    rank_stats: dict = field(default_factory=dict)
+    coverage: list = field(default_factory=list)
+    sync: list = field(default_factory=list)
+    spec: Any = None
+    source: str = ""
+    reduce_avg: bool = False
+    ranged: list = field(default_factory=list)  # params whose pieces came with range/
+    #: what this check could not tell, in words (printed as ``note:`` lines, JSON ``notes``):
+    #: a bound too coarse to see one lost input, inputs that cannot reveal a missing
+    #: reduction, keys of params the spec does not fuse
+    notes: list = field(default_factory=list)
+
+    # ---------------------------------------------------------------- verdicts
+    def failures(self) -> list:
+        """``(name, kind, why)`` for every failure, in spec order; ``kind`` is ``grad``
+        (beyond the bound, Inf/NaN), ``gap`` (elements no rank holds) or ``gather`` (the
+        all-gather differs from the shards)."""
+        items = []
+        for s in self.stats:
+            if not s.ok:
+                simple = not (s.nonfinite or getattr(s, "mismatched", 0)
+                              or getattr(s, "overflow", 0))
+                items.append((s.name, "grad", f"err/bound {format_ratio(s.max_ratio)} on rank "
+                              f"{s.worst_rank}" if simple else (s.reason or "nonfinite")))
+        for c in self.coverage:
+            if c.fails:
+                items.append((c.name, "gap", f"{c.what}/ gap [{c.begin}, {c.end})"))
+        for s in self.sync:
+            if not s.ok:
+                what = []
+                if s.mismatched:
+                    what.append(f"all-gather differs on rank(s) {', '.join(map(str, s.ranks))}")
+                if s.conflicts:
+                    what.append(f"overlapping shards disagree in {s.conflicts} element(s)")
+                items.append((s.name, "gather", "; ".join(what)))
+        if self.spec is not None:
+            order = {p.name: i for i, p in enumerate(self.spec.params)}
+            items.sort(key=lambda item: order.get(item[0], len(order)))
+        return items
+
+    def reasons(self) -> dict:
+        """name -> why it fails (in spec order), for every failing param."""
+        out: dict = {}
+        for name, _, why in self.failures():
+            out.setdefault(name, []).append(why)
+        return {k: "; ".join(v) for k, v in out.items()}
+
+    @property
+    def failing(self) -> list:
+        return list(self.reasons())
+
+    @property
+    def failing_ranks(self) -> list:
+        ranks = set()
+        for name, per in self.rank_stats.items():
+            ranks.update(r for r, s in per.items() if not s.ok)
+        for s in self.sync:
+            ranks.update(s.ranks)
+        return sorted(ranks)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failing
+
+    def raise_for_failure(self) -> "CheckReport":
+        """Raise :class:`OracleMismatch` naming the failing params and ranks; else return self
+        (so ``check(...).raise_for_failure()`` chains in tests)."""
+        if self.ok:
+            return self
+        reasons = self.reasons()
+        head = "; ".join(f"{n} ({why})" for n, why in list(reasons.items())[:10])
+        more = f" and {len(reasons) - 10} more" if len(reasons) > 10 else ""
+        ranks = self.failing_ranks
+        where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+        raise OracleMismatch(f"oracle: {len(reasons)} param(s) do not match the reference"
+                             f"{where}: {head}{more}\n{self}", self)
+
+    # ---------------------------------------------------------------- output
+    def to_json(self, spec: Any = None) -> dict:
+        """The report as JSON-ready data (``null`` for an infinite ratio)."""
+        spec = spec if spec is not None else self.spec
+
+        def num(x: float) -> Optional[float]:
+            return None if math.isinf(x) or math.isnan(x) else x
+
+        def row(s: ErrorStats) -> dict:
+            return {"name": s.name, "compared": s.compared, "max_abs_err": num(s.max_abs),
+                    "max_rel_err": num(s.max_rel), "err_over_bound": num(s.max_ratio),
+                    "worst_rank": s.worst_rank, "nonfinite": s.nonfinite,
+                    "nonfinite_reference": s.nonfinite_ref, "nonfinite_mismatch": s.mismatched,
+                    "overflow": s.overflow, "beyond_bound": s.beyond, "ok": s.ok,
+                    "reason": s.reason}
+
+        params = []
+        for s in self.stats:
+            entry = row(s)
+            entry["ranks"] = [{"rank": r, "compared": rs.compared,
+                               "err_over_bound": num(rs.max_ratio), "ok": rs.ok}
+                              for r, rs in sorted(self.rank_stats.get(s.name, {}).items())]
+            params.append(entry)
+        doc = {"verdict": "PASS" if self.ok else "FAIL"}
+        if spec is not None:
+            doc.update({"act": spec.act, "nranks": spec.nranks, "acc_steps": spec.acc_steps,
+                        "average": spec.average, "dst": spec.dst})
+        doc.update({
+            "bound": self.bounds, "params": params,
+            "coverage": [{"name": c.name, "what": c.what, "kind": c.kind, "begin": c.begin,
+                          "end": c.end, "ranks": list(c.ranks)} for c in self.coverage],
+            "sync_params": [{"name": s.name, "compared": s.compared,
+                             "mismatched": s.mismatched, "ranks": s.ranks,
+                             "conflicts": s.conflicts, "ok": s.ok} for s in self.sync],
+            "failing": self.reasons(),
+            "notes": list(self.notes),
+        })
+        return doc
+
+    def lines(self) -> list:
+        """The human report, one string per line (what ``mpifusion check`` prints)."""
+        spec = self.spec
+        out = []
+        if spec is not None:
+            cut = ("each rank's range/ of the flattened gradient" if self.ranged else
+                   "each rank's slice of the padded gradient")
+            what = {"all_reduce": "full gradient on every rank", "reduce": f"on root {spec.dst}",
+                    "reduce_scatter": cut}[spec.act]
+            out.append(f"check {self.source}: {spec.act} ({what}), {spec.nranks} rank(s), "
+                       f"acc_steps {spec.acc_steps}, {'mean' if spec.average else 'sum'} over "
+                       f"ranks")
+        for dtype, formula in self.bounds.items():
+            out.append(f"bound for {dtype} grads: {formula}")
+        if self.stats:
+            width = max(len("param"), *(len(s.name) for s in self.stats))
+            out.append(f"{'param':<{width}}  {'elements':>10}  {'max abs err':>11}  "
+                       f"{'max rel err':>11}  {'err/bound':>9}  {'rank':>4}  status")
+            for s in self.stats:
+                status = "ok" if s.ok else ("NONFINITE" if s.nonfinite else "FAIL")
+                rank = "-" if s.worst_rank is None else s.worst_rank
+                out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.max_abs:>11.3g}  "
+                           f"{s.max_rel:>11.3g}  {format_ratio(s.max_ratio):>9}  {rank:>4}  "
+                           f"{status}")
+            for s in self.stats:
+                why = getattr(s, "reason", None)
+                if why:
+                    out.append(f"{s.name}: {why}")
+        for c in self.coverage:
+            out.append(f"{'GAP' if c.fails else 'note'}: {c}")
+        if self.sync:
+            width = max(len("param"), *(len(s.name) for s in self.sync))
+            out.append("sync_params (all-gather, bit-exact):")
+            out.append(f"{'param':<{width}}  {'elements':>10}  {'differ':>8}  ranks")
+            for s in self.sync:
+                ranks = ", ".join(map(str, s.ranks)) or "-"
+                extra = f"  ({s.conflicts} conflicting shard element(s))" if s.conflicts else ""
+                out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.mismatched:>8}  {ranks}"
+                           f"{extra}")
+        out.extend(f"note: {n}" for n in self.notes)
+        reasons = self.reasons()
+        checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
+        if not reasons:
+            parts = [f"{len(self.stats)} params within the bound"] if self.stats else []
+            if self.sync:
+                parts.append(f"{len(self.sync)} gathered params exact")
+            out.append(f"PASS: {', '.join(parts) or f'{checked} params'}")
+        elif all(kind == "grad" for _, kind, _ in self.failures()):
+            bad = list(reasons)
+            out.append(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
+                       f"{' ...' if len(bad) > 10 else ''}")
+        else:
+            items = list(reasons.items())
+            out.append(f"FAIL: {len(items)} param(s): "
+                       + ", ".join(f"{n} ({why})" for n, why in items[:10])
+                       + (" ..." if len(items) > 10 else ""))
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
