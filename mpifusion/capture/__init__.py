@@ -1,5 +1,5 @@
 """Capture adapters: record what a framework's data-parallel step did, in the dump format of
-``mpifusion.oracle.check`` (README, "Use mpifusion as the oracle in your tests").
+``mpifusion.oracle.check`` (docs/oracle.md, "Use mpifusion as the oracle in your tests").
 
 * :class:`TorchCapture` (``mpifusion.capture.torch``): PyTorch, plain, DDP or FSDP2;
 * :class:`PaddleCapture` (``mpifusion.capture.paddle``): Paddle, DataParallel or its

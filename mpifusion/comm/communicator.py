@@ -103,7 +103,7 @@ class Communicator:
     Half-precision buffers are widened to fp32 one segment at a time, summed in fp32, scaled
     (``scale``) in fp32 and rounded back once: MPI has no bfloat16 type, and summing in fp32
     makes the result depend only on the order of additions MPI chose, with one final
-    rounding (see README, "How exact"). Temporary memory stays within a few segments.
+    rounding (see docs/exactness.md). Temporary memory stays within a few segments.
     """
 
     def __init__(self, comm: MPI.Comm, options: Optional[CommOptions] = None,

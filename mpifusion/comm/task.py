@@ -72,9 +72,6 @@ class CommTask:
         or once it succeeded."""
         return self._op.error
 
-    #: the former name of ``error``, read by runtime/buffer.py
-    _error = error
-
     def is_completed(self) -> bool:
         """Poll once (this also drives MPI's progress); True once finished, with or without
         an error (``wait()`` raises it)."""

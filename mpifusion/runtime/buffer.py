@@ -1,6 +1,6 @@
 """Fused buffers: params and grads in flat arrays, reduced over MPI in one collective.
 
-State machine of a ``FusedCommBuffer`` (README, "State machine", says the same):
+State machine of a ``FusedCommBuffer`` (docs/state-machine.md says the same):
 
 * Check-in counters, per step: every ``add_grad(param)`` counts one micro-step for that
   param; at ``acc_steps`` the param is *checked in* (``checked_in`` of ``len(params)``).
@@ -528,7 +528,7 @@ class FusedCommBuffer(ShardedParams, GradIntake):
             logger.warning("%s: abandoned a pending collective (step %d); later collectives "
                            "on this communicator refuse to run (AbandonedError)", self._where(),
                            self._step)
-        failed = task is not None and not pending and task._error is not None
+        failed = task is not None and not pending and task.error is not None
         if pending or failed:  # the full grads, not the shard that got no result
             if self._pre_comm_grads is not None:
                 self.grad_storage = self._pre_comm_grads

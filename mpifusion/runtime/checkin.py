@@ -1,6 +1,6 @@
 """The check-in counters of one step: which params gave their ``acc_steps`` micro-steps.
 
-Kept apart from the buffer so the state machine (README, "State machine") is small enough
+Kept apart from the buffer so the state machine (docs/state-machine.md) is small enough
 to read in one go: ``add``/``complete`` move it forward, ``reset`` starts the step afresh.
 """
 from __future__ import annotations

@@ -167,7 +167,7 @@ def fused_parameters(
     """Fuse a model's params (and grads) into buffers, split as Paddle splits them.
 
     ``order`` (``"strict"``/``"negotiated"``, default ``$MPIFUSION_ORDER`` or strict) is the
-    buffers' collective order (README, "When things go wrong").
+    buffers' collective order (docs/troubleshooting.md).
 
     Returns ``(decay_fused, all_fused, all_buffers)``; with ``group_params`` the input is a
     list of ``{"params": [...], ...}`` groups and ``(updated_groups, buffers)`` is returned.

@@ -131,7 +131,7 @@ def option(default: Any, check: Callable[[Any, str, str], Any], per_rank: str = 
 
 @dataclass(frozen=True)
 class BufferOptions:
-    """FusedCommBuffer's options (README, "Options of FusedCommBuffer"): the one definition.
+    """FusedCommBuffer's options (docs/api.md, "Options of FusedCommBuffer"): the one definition.
 
     Each field says how it is checked and whether ranks must agree on it; the buffer reads
     these fields, :data:`SWITCHES` and :meth:`agreed` are derived from them, and a test

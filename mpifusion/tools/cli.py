@@ -46,7 +46,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", metavar="NAME",
                      help=f"built-in model (default tiny): {', '.join(PRESETS)}")
-    src.add_argument("--spec", metavar="FILE", help="JSON spec file (README, 'Command line')")
+    src.add_argument("--spec", metavar="FILE", help="JSON spec file (docs/cli.md)")
     p.add_argument("--act", type=hook_action, help="all_reduce, reduce or reduce_scatter "
                    "(default: the spec's, all_reduce for presets)")
     p.add_argument("--group-size", type=byte_size, metavar="BYTES",
@@ -101,8 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chk = sub.add_parser("check", help="check another implementation's dump (no MPI)",
                          description="Recompute the reduced gradients of a dump in float64 and "
-                         "compare with what the implementation held (README, 'Checking another "
-                         "implementation').")
+                         "compare with what the implementation held (docs/oracle.md).")
     chk.add_argument("--spec", required=True, metavar="FILE", help="JSON spec of the dump")
     chk.add_argument("dir", metavar="DIR", help="folder with rank{r}.npz per rank")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")

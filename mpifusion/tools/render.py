@@ -15,7 +15,7 @@ from ..spec import Spec
 
 def layout_json(spec: Spec, buffers: Sequence[PlannedBuffer],
                 nranks: Optional[int] = None) -> dict:
-    """The documented ``mpifusion layout --json`` schema (README, "Command line")."""
+    """The documented ``mpifusion layout --json`` schema (docs/cli.md)."""
     nranks = spec.nranks if nranks is None else nranks
     sharded = spec.act == "reduce_scatter"
     out_buffers = []
