@@ -17,6 +17,23 @@ def grad_for(rank, step, micro, index, shape, dtype, seed=1234):
     return rng.standard_normal(shape).astype(as_dtype(dtype))
 
 
+def rank_grads(nranks, acc, shapes, seed, dtype=np.float32):
+    """Per rank, ``{name: [one grad per micro-step]}`` of standard normal values rounded to
+    ``dtype``, all from one generator seeded with ``seed`` (for dumps made up in a test)."""
+    rng = np.random.default_rng(seed)
+    return [{n: [rng.standard_normal(s).astype(dtype) for _ in range(acc)]
+             for n, s in shapes.items()} for _ in range(nranks)]
+
+
+def exact_values(shape, dtype, *key, span=8, den=8):
+    """Multiples of ``1/den`` in ``[-span, span)``, a pure function of ``key`` (e.g. rank, size,
+    salt), so any rank can rebuild any other's. They are exact in every dtype, and sums of a
+    few of them are exact in fp32 (with span=1, den=4: in bf16 too), so a result can be
+    compared bit for bit with a float64 reference."""
+    rng = np.random.default_rng(list(key))
+    return (rng.integers(-span * den, span * den, shape) / den).astype(dtype)
+
+
 def local_sum(rank, step, acc_steps, index, shape, dtype):
     return sum(grad_for(rank, step, k, index, shape, dtype).astype(np.float64)
                for k in range(acc_steps))

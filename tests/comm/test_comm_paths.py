@@ -16,7 +16,8 @@ from mpifusion.comm import Communicator
 from mpifusion.config import SEGMENT_ENV, STRATEGY_ENV, CommOptions
 from mpifusion.errors import OptionError
 from mpifusion.dtypes import bfloat16, float16, float32
-from mpifusion.errors import CommError
+
+from tests.reference import exact_values
 
 pytestmark = pytest.mark.mpi
 
@@ -141,12 +142,9 @@ def build(comm, strategy, act, dtype, tag):
 
 
 def grads_for(rank, params, dtype, step):
-    """Dyadic grads: multiples of 1/4 in [-1, 1]; sums over ranks are exact even in bf16."""
-    out = []
-    for i, p in enumerate(params):
-        k = np.arange(p.numel).reshape(p.shape)
-        out.append((((k * 5 + rank * 3 + i + step) % 9) - 4).astype(np.float64) / 4.0)
-    return out
+    """Dyadic grads: multiples of 1/4 in [-1, 1); sums over ranks are exact even in bf16."""
+    return [exact_values(p.shape, np.float64, rank, i, step, span=1, den=4)
+            for i, p in enumerate(params)]
 
 
 @pytest.mark.parametrize("act", list(HookAction), ids=lambda a: a.name)

@@ -24,6 +24,8 @@ from mpifusion.config import CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.errors import OptionError
 
+from tests.reference import exact_values
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(300)]
 
 DTYPES = [float32, np.float64, float16, bfloat16]
@@ -34,8 +36,7 @@ _COMMS = {}
 
 
 def values(rank, numel, dtype, salt):
-    rng = np.random.default_rng([salt, rank, numel])
-    return (rng.integers(-64, 64, numel) / 8).astype(dtype)
+    return exact_values(numel, dtype, salt, rank, numel)
 
 
 def scaled(x, dtype, scale):

@@ -18,6 +18,8 @@ from mpifusion.comm.collectives import allgather_steps, allreduce_steps, reduce_
 from mpifusion.config import CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 
+from tests.reference import exact_values
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 WAYS = [("thread", 1), ("nonblocking", 1), ("nonblocking", 2), ("nonblocking", 3),
@@ -30,8 +32,7 @@ SIZES = [1, 7, 100, 1001]  # below one segment, one, many not dividing, many
 def values(rank, numel, dtype):
     """Multiples of 1/8 in [-8, 8): exact in every dtype, sums over <= 8 ranks exact in
     fp32 (so only the final scale and rounding differ from the float64 reference)."""
-    rng = np.random.default_rng(1000 * rank + numel)
-    return (rng.integers(-64, 64, numel) / 8).astype(dtype)
+    return exact_values(numel, dtype, rank, numel)
 
 
 def expected(numel, dtype, size, scale):

@@ -19,7 +19,9 @@ from tests.helpers import run_job
 
 DEADLINE = 4.0          # MPIFUSION_TIMEOUT given to the jobs, seconds
 HARD_LIMIT = 90         # per job, start-up of 8 oversubscribed ranks included
-RANKS = (2, 3, 8)
+#: 2 and 3 ranks (an odd count: shards and trees that do not divide); 8 only where the size of
+#: the job is the point (a dead rank among many still ends it within the deadline)
+RANKS = (2, 3)
 
 DRIVER = textwrap.dedent('''
     """One faulty training step; argv: scenario, token (marks this job's processes)."""
@@ -135,7 +137,7 @@ def test_fault_ends_with_error(tmp_path, scenario, nranks):
     assert elapsed < 10 * DEADLINE, f"{scenario} at {nranks} ranks took {elapsed:.1f} s"
 
 
-@pytest.mark.parametrize("nranks", RANKS)
+@pytest.mark.parametrize("nranks", RANKS + (8,))
 def test_dead_rank_ends_job_within_deadline(tmp_path, nranks):
     rc, out, elapsed = _run_job(tmp_path, "exit", nranks)
     assert rc != 0, f"a rank died but the job exited 0:\n{out[-3000:]}"

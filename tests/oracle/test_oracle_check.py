@@ -22,6 +22,7 @@ from mpifusion.oracle import assert_matches_reference, check, error_bound
 from mpifusion.oracle.dumps import DumpError
 
 from tests.helpers import run_cmd
+from tests.reference import rank_grads
 
 SHAPES = {"emb": (37, 5), "w": (7, 3), "b": (13,), "odd": (3, 1, 11)}
 
@@ -32,9 +33,7 @@ def _spec(nranks, act="reduce_scatter", acc=1, average=True, dtype="float32", **
 
 
 def _grads(nranks, acc, seed, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return [{n: [rng.standard_normal(s).astype(dtype) for _ in range(acc)]
-             for n, s in SHAPES.items()} for _ in range(nranks)]
+    return rank_grads(nranks, acc, SHAPES, seed, dtype)
 
 
 def _fp32_result(grads, average):

@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import stat
 import sys
 
@@ -46,10 +47,35 @@ def test_parse_size(text, want):
     assert machine._parse_size(text) == want
 
 
-def test_cache_sizes_are_plausible():
-    sizes = machine.cache_sizes()
-    for key, value in sizes.items():
-        assert key in ("L1d", "L2", "L3", "L4") and value >= 1024
+def test_cache_sizes_read_from_a_faked_sysfs(tmp_path, monkeypatch):
+    """The sysfs reading on a made-up machine (not this one: its caches are whatever they
+    are): data and unified caches by level, instruction caches left out."""
+    import builtins
+
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    fake = tmp_path / "cache"
+    for name, level, kind, size in (("index0", 1, "Data", "48K"), ("index1", 1, "Instruction",
+                                    "32K"), ("index2", 2, "Unified", "1024K"),
+                                    ("index3", 3, "Unified", "32768K"), ("power", 0, "", "")):
+        folder = fake / name
+        folder.mkdir(parents=True)
+        for field, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / field).write_text(f"{value}\n")
+    real_open, real_listdir = builtins.open, os.listdir
+
+    def moved(path):
+        return str(path).replace(base, str(fake), 1) if str(path).startswith(base) else path
+
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(moved(path), *a, **k))
+    monkeypatch.setattr(os, "listdir", lambda path=".": real_listdir(moved(path)))
+    assert machine.cache_sizes() == {"L1d": 48 * 1024, "L2": MiB, "L3": 32 * MiB}
+    assert machine.segment_rule() == machine.segment_rule({"L2": MiB}) == 2 * MiB
+
+
+def test_cache_sizes_of_this_machine_are_well_formed():
+    """Whatever this machine has (possibly nothing): levels named as the rule reads them."""
+    for key, value in machine.cache_sizes().items():
+        assert re.fullmatch(r"L\d+d?", key) and isinstance(value, int) and value > 0
 
 
 def test_no_tune_file_gives_the_rule(private_tune_file):
