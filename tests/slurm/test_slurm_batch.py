@@ -141,7 +141,9 @@ def wait(env: dict, tmp_path: Path, job_id: str, timeout: float = JOB_WAIT) -> J
         time.sleep(0.5)
 
 
-def run_job(env: dict, tmp_path: Path, *options: str, **settings: str) -> Job:
+def run_batch_job(env: dict, tmp_path: Path, *options: str, **settings: str) -> Job:
+    """Submit the project's batch script and wait for it. Slurm starts these jobs; the
+    sbatch/scontrol calls here are Slurm's clients, not jobs of tests/helpers.run_job."""
     return wait(env, tmp_path, submit(env, tmp_path, *options, **settings))
 
 
@@ -154,7 +156,7 @@ def _seconds(run_time: str) -> int:
 
 @pytest.mark.parametrize("ntasks", [2, 4])
 def test_job_passes(slurm_env, tmp_path, ntasks):
-    job = run_job(slurm_env, tmp_path, f"--ntasks-per-node={ntasks}")
+    job = run_batch_job(slurm_env, tmp_path, f"--ntasks-per-node={ntasks}")
     assert (job.state, job.exit_code) == ("COMPLETED", 0), job
     assert f"PASS: 11 params within the error bound on {ntasks} rank(s)" in job.log, job
     assert "srun --mpi=pmi2 (MPICH family)" in job.log, job  # chosen from the MPI library
@@ -168,7 +170,7 @@ def test_job_passes(slurm_env, tmp_path, ntasks):
 
 
 def test_bad_preset_exits_2(slurm_env, tmp_path):
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=2",
                   MPIFUSION_ARGS="run --preset no-such-model")
     assert (job.state, job.exit_code) == ("FAILED", 2), job
     assert "no-such-model" in job.log, job
@@ -176,7 +178,7 @@ def test_bad_preset_exits_2(slurm_env, tmp_path):
 
 def test_fail_verdict_exits_1(slurm_env, tmp_path):
     """Rank 1 adds grads that are off by 1.0: the verdict is FAIL and the job's code 1."""
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=2",
                   MPIFUSION_ARGS="run --steps 1", MPIFUSION_TEST_FAULT="corrupt:1")
     assert (job.state, job.exit_code) == ("FAILED", 1), job
     assert re.search(r"^FAIL: .*beyond the error bound", job.log, re.M), job
@@ -207,7 +209,7 @@ def test_check_of_a_corrupted_dump_exits_1(slurm_env, tmp_path):
     spec = _dump(tmp_path, wrong=True)
     dump = tmp_path / "dump"
     args = f"check --spec {spec} {dump}"
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=1", MPIFUSION_ARGS=args)
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=1", MPIFUSION_ARGS=args)
     assert (job.state, job.exit_code) == ("FAILED", 1), job
     assert re.search(r"^FAIL: 1 param.*\bw\b", job.log, re.M), job
 
@@ -234,7 +236,7 @@ def test_dependency_chains(slurm_env, tmp_path):
 
 def test_dead_rank_ends_the_step(slurm_env, tmp_path):
     """Rank 1 exits mid-step: --kill-on-bad-exit ends the step long before the deadline."""
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=4", MPIFUSION_ARGS="run --steps 50",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=4", MPIFUSION_ARGS="run --steps 50",
                   MPIFUSION_TIMEOUT="120", MPIFUSION_TEST_FAULT="exit:1")
     assert job.state == "FAILED" and job.exit_code > 2, job
     assert "[fault hook] rank 1: exit at add_grad call 3" in job.log, job
@@ -246,7 +248,7 @@ def test_dead_rank_ends_the_step(slurm_env, tmp_path):
 
 def test_timeout_reaches_the_ranks(slurm_env, tmp_path):
     """Rank 1 stops (alive to Slurm): the others raise CommTimeoutError after MPIFUSION_TIMEOUT."""
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_TIMEOUT="4",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_TIMEOUT="4",
                   MPIFUSION_TEST_FAULT="stall:1")
     assert job.state == "FAILED" and job.exit_code != 0, job
     assert "[fault hook] rank 1: stall at add_grad call 3" in job.log, job
@@ -258,7 +260,7 @@ def test_timeout_reaches_the_ranks(slurm_env, tmp_path):
 
 def test_wrong_pmi_is_reported(slurm_env, tmp_path):
     """--mpi=none makes every task a world of size 1: the script says so and exits 3."""
-    job = run_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_SRUN_MPI="none")
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks-per-node=2", MPIFUSION_SRUN_MPI="none")
     assert (job.state, job.exit_code) == ("FAILED", 3), job
     assert ("srun --mpi=none started 2 task(s) but MPI reports world size 1" in job.log), job
     assert "Set MPIFUSION_SRUN_MPI to another of srun --mpi=list:" in job.log, job
@@ -273,7 +275,7 @@ def test_open_mpi_gets_pmix(slurm_env, tmp_path):
         pytest.skip("MPIFUSION_SLURM_OPENMPI_VENV (a venv with mpi4py on Open MPI) not set")
     env = dict(slurm_env)
     env.pop("MPIFUSION_PYTHON")
-    job = run_job(env, tmp_path, "--ntasks-per-node=2", MPIFUSION_VENV=venv)
+    job = run_batch_job(env, tmp_path, "--ntasks-per-node=2", MPIFUSION_VENV=venv)
     assert (job.state, job.exit_code) == ("COMPLETED", 0), job
     assert "srun --mpi=pmix (Open MPI)" in job.log, job
     assert re.search(r"^Slurm PMI: +pmix \(PMIX_", job.log, re.M), job
@@ -300,7 +302,7 @@ def test_missing_venv_is_a_launch_error(slurm_env, tmp_path):
     ``afterok`` chains and scripts reading the code blamed the numbers. Now exit 3 (could not
     start), saying which variable names what."""
     missing = tmp_path / "no such venv"
-    job = run_job(slurm_env, tmp_path, "--ntasks=2", MPIFUSION_VENV=str(missing))
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=2", MPIFUSION_VENV=str(missing))
     assert (job.state, job.exit_code) == ("FAILED", 3), job
     assert f"mpifusion.sbatch: error: MPIFUSION_VENV={missing}" in job.log, job
     assert "bin/activate" in job.log and "line " not in job.log, job
@@ -310,7 +312,7 @@ def test_a_bad_srun_option_is_named_not_a_missing_install(slurm_env, tmp_path):
     """MPIFUSION_SRUN_MPI naming no PMI plugin: srun refuses, and the script's hint asked
     whether mpifusion and mpi4py were installed (they were). Now it names srun's options
     first, where they came from and the variables that set them; still exit 3."""
-    job = run_job(slurm_env, tmp_path, "--ntasks=2", MPIFUSION_SRUN_MPI="bogus")
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=2", MPIFUSION_SRUN_MPI="bogus")
     assert (job.state, job.exit_code) == ("FAILED", 3), job
     assert ("mpifusion info failed on the tasks" in job.log
             and "srun's options (--mpi=bogus from MPIFUSION_SRUN_MPI" in job.log), job.log
@@ -348,7 +350,7 @@ def test_mpifusion_args_are_not_globbed(slurm_env, tmp_path):
     job's folder, so ``--spec spec?.json`` read whichever file matched instead of failing."""
     spec = _dump(tmp_path, wrong=False)
     spec.rename(tmp_path / "spec1.json")
-    job = run_job(slurm_env, tmp_path, "--ntasks=1",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=1",
                   MPIFUSION_ARGS=f"check --spec spec?.json {tmp_path / 'dump'}")
     assert (job.state, job.exit_code) == ("FAILED", 2), job
     assert "spec?.json" in job.log and "PASS" not in job.log, job
@@ -359,7 +361,7 @@ def test_default_deadline_fits_the_time_limit(slurm_env, tmp_path):
     outlived the job, which ended in Slurm's TIMEOUT after 71 s with no word about which rank
     never started the collective. The script's default deadline is now at most half the job's
     time left, so the survivors raise CommTimeoutError naming rank 1 within the limit."""
-    job = run_job(slurm_env, tmp_path, "--ntasks=2", "--time=1",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=2", "--time=1",
                   MPIFUSION_TEST_FAULT="stall:1")
     assert job.state == "FAILED" and job.exit_code != 0, job
     assert re.search(r"^\S*CommTimeoutError: rank 0: .*\brank 1\b", job.log, re.M), job
@@ -372,7 +374,7 @@ def test_default_deadline_fits_the_time_limit(slurm_env, tmp_path):
 def test_explicit_deadline_beyond_the_time_limit_is_warned(slurm_env, tmp_path):
     """A deadline the user set longer than the job's time left is kept, with a warning that a
     stalled rank will then end in Slurm's time limit, not in an error naming it."""
-    job = run_job(slurm_env, tmp_path, "--ntasks=2", "--time=1",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=2", "--time=1",
                   MPIFUSION_ARGS="run --steps 1", MPIFUSION_TIMEOUT="600")
     assert (job.state, job.exit_code) == ("COMPLETED", 0), job
     assert re.search(r"mpifusion.sbatch: warning: MPIFUSION_TIMEOUT=600 s is longer than the "
@@ -382,7 +384,7 @@ def test_explicit_deadline_beyond_the_time_limit_is_warned(slurm_env, tmp_path):
 def test_killed_rank_ends_the_step(slurm_env, tmp_path):
     """Guard (right before): rank 1 SIGKILLed mid-step (the OOM killer, ``kill -9``) ends the
     whole step at once, srun names the task, the job fails well before the deadline."""
-    job = run_job(slurm_env, tmp_path, "--ntasks=3", MPIFUSION_ARGS="run --steps 50",
+    job = run_batch_job(slurm_env, tmp_path, "--ntasks=3", MPIFUSION_ARGS="run --steps 50",
                   MPIFUSION_TIMEOUT="120", MPIFUSION_TEST_FAULT="kill:1")
     assert job.state == "FAILED" and job.exit_code > 2, job
     assert re.search(r"srun: error: \S+: task 1: Killed", job.log), job

@@ -77,7 +77,7 @@ def _good_dump(folder) -> list:
      "no MPI 0"),
     ("check", "no MPI 0"),
     (["info"], "MPI imported 0"),  # the probe sees MPI where a command does load it
-])
+], ids=["layout", "layout-json", "check", "info"])
 def test_layout_and_check_never_initialise_mpi(argv, expect, tmp_path):
     """Planning and checking run anywhere: they must not even import mpi4py.MPI, also when
     a check goes all the way (reads every rank's dump, compares, says PASS)."""

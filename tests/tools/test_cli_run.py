@@ -10,6 +10,7 @@ import pytest
 
 from mpifusion.runtime.buffer import FusedCommBuffer
 from mpifusion.spec import Spec
+from mpifusion.tools import runjob
 from mpifusion.tools.runjob import RunOptions
 
 from tests.forge import write_spec
@@ -79,7 +80,7 @@ def _spec(act: str = "all_reduce", **kw) -> Spec:
 
 @pytest.mark.mpi
 def test_run_job_in_process_passes(comm):
-    assert run_job(_spec("reduce_scatter", group_size=16 * 1024),
+    assert runjob.run_job(_spec("reduce_scatter", group_size=16 * 1024),
                    RunOptions(steps=2, progress=False), comm) == 0
 
 
@@ -95,7 +96,7 @@ def test_run_job_fails_when_a_result_is_off(comm, monkeypatch, capsys):
             self.grad_storage[slot.offset + 3] += 1e-3
 
     monkeypatch.setattr(FusedCommBuffer, "scale_grads", scale_then_break)
-    code = run_job(_spec(), RunOptions(steps=1, progress=False), comm)
+    code = runjob.run_job(_spec(), RunOptions(steps=1, progress=False), comm)
     out = capsys.readouterr().out
     assert code == 1
     if comm.Get_rank() == 0:
@@ -106,7 +107,7 @@ def test_run_job_fails_when_a_result_is_off(comm, monkeypatch, capsys):
 @pytest.mark.mpi(min_size=2)
 def test_run_job_fails_when_sync_params_is_skipped(comm, monkeypatch, capsys):
     monkeypatch.setattr(FusedCommBuffer, "sync_params", lambda self, *a, **k: None)
-    code = run_job(_spec("reduce_scatter"), RunOptions(steps=1, progress=False), comm)
+    code = runjob.run_job(_spec("reduce_scatter"), RunOptions(steps=1, progress=False), comm)
     out = capsys.readouterr().out
     assert code == 1
     if comm.Get_rank() == 0:
@@ -207,8 +208,6 @@ def test_run_with_a_bad_timeout_on_one_rank_only_exits_2_everywhere(n):
 
 def test_run_out_of_memory_mid_run_is_one_line(capsys, monkeypatch):
     """Past the estimate checked before building (one rank here: no abort needed)."""
-    import mpifusion.tools.runjob as runjob
-
     def no_memory(*args, **kwargs):
         raise MemoryError()
 
