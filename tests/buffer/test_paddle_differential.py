@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from mpifusion import FusedCommBuffer, HookAction, Param
+from mpifusion import FusedCommBuffer, Param
 from mpifusion.dtypes import as_dtype
 from mpifusion.errors import LayoutError, NanInfError
 

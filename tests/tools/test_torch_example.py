@@ -1,9 +1,6 @@
 """The PyTorch data-parallel example (scripts/torch_dp_example.py) under ``mpiexec -n 2``."""
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
