@@ -1,11 +1,12 @@
-"""The MPI test harness itself: a failing or hanging rank ends the whole job, it never hangs."""
+"""The MPI test harness itself: a failing or hanging rank ends the whole job, it never hangs;
+no test and no job it starts sees a developer's own tune file."""
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_job
+from tests.helpers import run_cmd, run_job
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
@@ -45,3 +46,21 @@ def test_bad_rank_ends_the_job(tmp_path, body, expect):
                       "-p", "no:cacheprovider", str(tmp_path)], cwd=str(tmp_path), timeout=90)
     assert out.returncode != 0
     assert expect in out.stdout + out.stderr
+
+
+def test_jobs_never_see_a_developers_tune_file(isolated_tune_file):
+    """The session's tune file (and XDG cache folder) is a fresh temp one, here and in every
+    job a test starts, so a developer's ~/.cache/mpifusion/tune.json or $MPIFUSION_TUNE_FILE
+    never changes a default segment size under test."""
+    import os
+
+    from mpifusion import machine
+
+    here = machine.tune_path()
+    assert here == str(isolated_tune_file) and not isolated_tune_file.exists()
+    assert "MPIFUSION_SEGMENT_BYTES" not in os.environ
+    assert os.environ["XDG_CACHE_HOME"].startswith(str(isolated_tune_file.parent))
+    code = ("import os; from mpifusion import machine; "
+            "print(machine.tune_path(), os.environ.get('MPIFUSION_SEGMENT_BYTES'))")
+    out = run_cmd([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == [here, "None"], out.stdout + out.stderr
