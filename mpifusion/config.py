@@ -3,10 +3,9 @@
 Library code takes options as arguments (``CommOptions`` for how collectives run,
 ``FusedCommBuffer``'s keywords for what a buffer does). Environment variables are only the
 documented *defaults* of those arguments, resolved once by :meth:`CommOptions.from_env`, so
-the CLI and the benchmark pass options explicitly instead of editing ``os.environ``. The one
-exception is the tune file's location (``$MPIFUSION_TUNE_FILE``): machine.py reads it with
-the rest of what it knows of this machine, and this module takes the machine's default
-segment size from there (machine.py imports nothing of this module: no cycle).
+the CLI and the benchmark pass options explicitly instead of editing ``os.environ``.
+This module is a leaf (it imports only errors): an option left at ``None`` is resolved by
+the module that knows its default, e.g. the segment size by :func:`mpifusion.machine.segment_for`.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from .errors import OptionError
-from .machine import default_segment_bytes
 
 STRATEGY_ENV = "MPIFUSION_COMM_STRATEGY"
 SEGMENT_ENV = "MPIFUSION_SEGMENT_BYTES"
@@ -36,6 +34,8 @@ ALLREDUCE_WAYS = ("auto", "mpi", "ring")
 #: NaN/Inf check before communication; Paddle's flag name works too.
 NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
 CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
+#: where ``mpifusion tune`` records the segment size per machine type (machine.py)
+TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 #: half <-> fp32 casts: auto (compiled kernel when built), kernel (required), numpy (plain casts)
 HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
@@ -44,7 +44,7 @@ STRATEGIES = ("thread", "nonblocking")
 #: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking``.
 DEFAULT_STRATEGY = "auto"
 #: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
-#: ``thread`` strategy's default segment size is the machine's (``CommOptions.segment``).
+#: ``thread`` strategy's default segment size is the machine's (``machine.segment_for``).
 DEFAULT_SEGMENT_BYTES = 8 << 20
 #: ``nonblocking``: segments in flight per collective (measured: BENCHMARKS.md, "Nonblocking
 #: window"); 1 issues the next segment only when the previous one landed.
@@ -162,6 +162,20 @@ def cuda_aware_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional
     return parse_bool(value, CUDA_AWARE_ENV) if value else None
 
 
+def tune_path(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (XDG's default:
+    ``~/.cache``; a relative ``$XDG_CACHE_HOME`` is ignored, as XDG says: it would name
+    another file in each folder a job starts in)."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(TUNE_FILE_ENV, "").strip()
+    if not path:
+        cache = environ.get("XDG_CACHE_HOME", "").strip()
+        if not os.path.isabs(cache):
+            cache = os.path.join("~", ".cache")
+        path = os.path.join(cache, "mpifusion", "tune.json")
+    return os.path.expanduser(path)
+
+
 def halfcast_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``$MPIFUSION_HALFCAST``: how half-precision segments are widened and rounded."""
     environ = os.environ if environ is None else environ
@@ -231,15 +245,6 @@ class CommOptions:
         object.__setattr__(self, "verify_order", parse_bool(self.verify_order, "verify_order"))
         object.__setattr__(self, "window", parse_window(self.window))
         object.__setattr__(self, "allreduce", parse_allreduce(self.allreduce))
-
-    @property
-    def segment(self) -> int:
-        """Segment size in bytes after defaults (0: one segment per buffer). The default is
-        this machine's, for both strategies (``nonblocking`` keeps ``window`` segments in
-        flight): ``mpifusion tune``'s result, else from the L2 size (machine.py)."""
-        if self.segment_bytes is not None:
-            return self.segment_bytes
-        return default_segment_bytes()
 
     def with_(self, **changes: Any) -> "CommOptions":
         """A copy with some fields changed (``None`` values are ignored)."""

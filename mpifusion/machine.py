@@ -8,8 +8,8 @@ the sweeps.
 ``mpifusion tune`` measures instead of guessing and records the winner per machine type in a
 small JSON file that :func:`default_segment_bytes` prefers. Precedence, highest first:
 ``segment_bytes=``/``CommOptions``, ``$MPIFUSION_SEGMENT_BYTES``, the tune file, the rule.
-The tune file's location (``$MPIFUSION_TUNE_FILE``) is read here, not in config.py: config
-takes its default segment size from this module, which must not import config back.
+config.py says where the tune file is (``$MPIFUSION_TUNE_FILE``) and holds the options; this
+module resolves the options' defaults that depend on the machine (:func:`segment_for`).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import stat
 import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .config import CommOptions, tune_path
 from .limits import loads_json, read_text
 
 MiB = 1 << 20
@@ -33,7 +34,6 @@ FALLBACK_SEGMENT_BYTES = 4 * MiB
 MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES = 2 * MiB, 16 * MiB
 TUNE_VERSION = 1
 #: where ``mpifusion tune`` records the segment size per machine type
-TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 
 
 def _parse_size(text: str) -> Optional[int]:
@@ -112,20 +112,6 @@ def segment_rule(sizes: Optional[Dict[str, int]] = None) -> int:
         return FALLBACK_SEGMENT_BYTES
     pow2 = 1 << (int(2 * l2).bit_length() - 1)
     return max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, pow2))
-
-
-def tune_path(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``$MPIFUSION_TUNE_FILE``, else ``$XDG_CACHE_HOME/mpifusion/tune.json`` (XDG's default:
-    ``~/.cache``; a relative ``$XDG_CACHE_HOME`` is ignored, as XDG says: it would name
-    another file in each folder a job starts in)."""
-    environ = os.environ if environ is None else environ
-    path = environ.get(TUNE_FILE_ENV, "").strip()
-    if not path:
-        cache = environ.get("XDG_CACHE_HOME", "").strip()
-        if not os.path.isabs(cache):
-            cache = os.path.join("~", ".cache")
-        path = os.path.join(cache, "mpifusion", "tune.json")
-    return os.path.expanduser(path)
 
 
 #: what a tune file may hold: a few machines' entries, and segment sizes ``tune`` can write
@@ -329,6 +315,15 @@ def default_segment_bytes() -> int:
             "tune file %s ignored: %s; the default segment size is the L2 rule's %d bytes "
             "(fix or move the file, or run mpifusion tune again)", path, problem, rule)
     return rule
+
+
+def segment_for(options: CommOptions) -> int:
+    """The segment size ``options`` runs with, in bytes (0: one segment per buffer): its own
+    ``segment_bytes``, else this machine's default for both strategies (``nonblocking`` keeps
+    ``window`` of them in flight)."""
+    if options.segment_bytes is not None:
+        return options.segment_bytes
+    return default_segment_bytes()
 
 
 def default_segment_source() -> str:

@@ -39,6 +39,7 @@ from ..arrays import cuda
 from ..config import CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
 from ..errors import AbandonedError, OptionError, StateError
+from ..machine import segment_for
 from . import health, order as order_mod
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
@@ -134,7 +135,7 @@ class Communicator:
         self.strategy = options.strategy
         self.order = options.order
         self.verify = options.verify_order
-        self.segment_bytes = options.segment
+        self.segment_bytes = segment_for(options)
         # segments in flight per collective: the thread runs one blocking call at a time
         self.window = options.window if self.strategy == "nonblocking" else 1
         self.allreduce_way = allreduce_way(options.allreduce, self.strategy)

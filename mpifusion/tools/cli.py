@@ -23,7 +23,7 @@ from ..config import STRATEGIES, CommOptions
 from ..dtypes import is_half
 from ..errors import FusionError, LayoutError, OptionError
 from ..limits import InputLimitError, layout_problem, loads_strict_json, read_text
-from ..machine import default_segment_source
+from ..machine import default_segment_source, segment_for
 from ..plan.grouping import PlanError
 from ..presets import PRESETS, PresetError, get_preset
 from ..spec import Spec, SpecError, load_spec, normalize_dtype
@@ -320,8 +320,8 @@ def _segment_default() -> Tuple[Optional[int], str]:
     except OptionError as exc:
         return None, f"refused: {exc}"
     if options.segment_bytes is not None:
-        return options.segment, "MPIFUSION_SEGMENT_BYTES"
-    return options.segment, default_segment_source()
+        return segment_for(options), "MPIFUSION_SEGMENT_BYTES"
+    return segment_for(options), default_segment_source()
 
 
 def collect_info() -> dict:

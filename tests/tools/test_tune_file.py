@@ -81,8 +81,8 @@ def test_cache_sizes_of_this_machine_are_well_formed():
 def test_no_tune_file_gives_the_rule(private_tune_file):
     assert not private_tune_file.exists()
     assert machine.default_segment_bytes() == machine.segment_rule()
-    assert CommOptions(strategy="thread").segment == machine.segment_rule()
-    assert CommOptions(strategy="nonblocking").segment == machine.segment_rule()
+    assert machine.segment_for(CommOptions(strategy="thread")) == machine.segment_rule()
+    assert machine.segment_for(CommOptions(strategy="nonblocking")) == machine.segment_rule()
     assert "rule" in machine.default_segment_source() or "fallback" in \
         machine.default_segment_source()
 
@@ -93,12 +93,12 @@ def test_tune_file_beats_rule_and_env_beats_tune_file(private_tune_file, monkeyp
     data = json.loads(private_tune_file.read_text())
     assert data["version"] == 1 and data["machines"][machine.machine_key()]["nranks"] == 2
     assert machine.default_segment_bytes() == 3 * MiB
-    assert CommOptions().segment == 3 * MiB
+    assert machine.segment_for(CommOptions()) == 3 * MiB
     assert "tuned" in machine.default_segment_source()
-    assert CommOptions(segment_bytes=5 * MiB).segment == 5 * MiB  # explicit option wins
+    assert machine.segment_for(CommOptions(segment_bytes=5 * MiB)) == 5 * MiB  # explicit option wins
     monkeypatch.setenv("MPIFUSION_SEGMENT_BYTES", str(6 * MiB))
-    assert CommOptions.from_env().segment == 6 * MiB  # the environment wins too
-    assert CommOptions.from_env(segment_bytes=7 * MiB).segment == 7 * MiB
+    assert machine.segment_for(CommOptions.from_env()) == 6 * MiB  # the environment wins too
+    assert machine.segment_for(CommOptions.from_env(segment_bytes=7 * MiB)) == 7 * MiB
 
 
 def test_other_machines_entries_are_kept(private_tune_file):
@@ -383,8 +383,8 @@ def test_segment_bytes_takes_any_integer_exactly(value, want):
     from mpifusion.config import CommOptions
 
     value = {"np64": np.int64(4096), "npu32": np.uint32(8192)}.get(value, value)
-    assert CommOptions(segment_bytes=value).segment == want
-    assert CommOptions.from_env({"MPIFUSION_SEGMENT_BYTES": str(value)}).segment == want
+    assert machine.segment_for(CommOptions(segment_bytes=value)) == want
+    assert machine.segment_for(CommOptions.from_env({"MPIFUSION_SEGMENT_BYTES": str(value)})) == want
 
 
 @pytest.mark.parametrize("value", ["np_true", "np_neg", "4M", "-1", "0.5", "nan", "1e400"])
@@ -476,7 +476,7 @@ def test_tune_writes_what_the_library_reads(comm, tmp_path, monkeypatch):
         assert entry["segment_bytes"] in (64 * 1024, 256 * 1024)
         assert entry["nranks"] == comm.Get_size()
         assert any("fastest" in line for line in lines)
-        assert CommOptions(strategy="thread").segment == entry["segment_bytes"]
+        assert machine.segment_for(CommOptions(strategy="thread")) == entry["segment_bytes"]
     with pytest.raises(OptionError, match="segments"):
         tune.run(_args(path, segments="1,x"), say=lines.append)
 
@@ -508,7 +508,7 @@ def test_ranks_with_different_tune_files_agree_on_the_smallest(comm, tmp_path, m
     path = _rank_file(comm, tmp_path, contents[rank % len(contents)])
     monkeypatch.setenv("MPIFUSION_TUNE_FILE", str(path))
     monkeypatch.delenv("MPIFUSION_SEGMENT_BYTES", raising=False)
-    mine = CommOptions(strategy=strategy).segment
+    mine = machine.segment_for(CommOptions(strategy=strategy))
     want = comm.allreduce(mine, op=__import__("mpi4py").MPI.MIN)
     c = Communicator(comm, CommOptions(strategy=strategy))
     assert c.segment_bytes == want

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from ...config import DEFAULT_WINDOW, CommOptions
 from ...dtypes import as_dtype
+from ...machine import segment_for
 from ...plan.actions import HookAction
 from ...presets import get_preset
 from ...runtime.buffer import FusedCommBuffer
@@ -33,7 +34,7 @@ def default_segment(comm: MPI.Comm) -> int:
     time different candidates and hang."""
     key = comm.py2f()
     if key not in _SEGMENTS:
-        _SEGMENTS[key] = comm.allreduce(CommOptions.from_env(strategy="thread").segment,
+        _SEGMENTS[key] = comm.allreduce(segment_for(CommOptions.from_env(strategy="thread")),
                                         op=MPI.MIN)
     return _SEGMENTS[key]
 
