@@ -13,11 +13,11 @@ PYTHON=${PYTHON:-python3}
 MPIEXEC=${MPIEXEC:-mpiexec}
 "$PYTHON" -c "from mpifusion.arrays import cuda; assert cuda.gpu_available(), 'no cupy GPU'; \
 print('CUDA-aware MPI:', cuda.query_cuda_aware())"
-TESTS="tests/unit/test_backends.py tests/unit/test_memory.py tests/unit/test_dlpack.py tests/unit/test_pipeline.py"
+TESTS="tests/arrays/test_backends.py tests/buffer/test_memory.py tests/arrays/test_dlpack.py tests/comm/test_pipeline.py"
 echo "=== GPU tests, serial"
 timeout 120 "$PYTHON" -m pytest -q -rs $TESTS
 echo "=== GPU tests, 2 ranks"
-timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py -m pytest --only-mpi -q -rs tests/unit/test_backends.py tests/mpi/test_mpi_half.py tests/mpi/test_mpi_window.py
+timeout 120 "$MPIEXEC" -n 2 "$PYTHON" -m mpi4py -m pytest --only-mpi -q -rs tests/arrays/test_backends.py tests/buffer/test_half_precision.py tests/comm/test_window.py
 echo "=== GPU benchmark: one all-reduce sync of 128 MiB of fp32 and of bf16 grads, 2 ranks"
 BENCH=$(mktemp --suffix=.py)
 trap 'rm -f "$BENCH"' EXIT

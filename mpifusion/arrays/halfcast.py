@@ -22,7 +22,7 @@ Why a small C kernel (``_halfcast.c``, built by ``setup.py``, optional):
 The kernels count NaN inputs; when there are any, those elements alone are re-cast with the
 reference cast, so NaN payloads and quiet bits are exactly what numpy/ml_dtypes produce (F16C
 quiets signalling NaNs, numpy does not). Everything else (Inf, overflow to Inf, subnormals,
-ties to even) is exact by construction and checked exhaustively in tests/unit/test_halfcast.py.
+ties to even) is exact by construction and checked exhaustively in tests/arrays/test_halfcast.py.
 Without the compiled module, for cupy arrays, non-contiguous arrays, or with
 ``MPIFUSION_HALFCAST=numpy``, :func:`widen` and :func:`narrow` are the plain casts. A source
 that overlaps the output (widening or rounding in place) is copied first: numpy's own cast

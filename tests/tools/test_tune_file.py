@@ -66,10 +66,17 @@ def test_cache_sizes_read_from_a_faked_sysfs(tmp_path, monkeypatch):
     def moved(path):
         return str(path).replace(base, str(fake), 1) if str(path).startswith(base) else path
 
+    # cache_sizes is cached per process: read afresh here, and leave no made-up sizes behind
+    # for later tests (their machine_key would differ from their subprocesses')
+    machine.cache_sizes.cache_clear()
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(moved(path), *a, **k))
     monkeypatch.setattr(os, "listdir", lambda path=".": real_listdir(moved(path)))
-    assert machine.cache_sizes() == {"L1d": 48 * 1024, "L2": MiB, "L3": 32 * MiB}
-    assert machine.segment_rule() == machine.segment_rule({"L2": MiB}) == 2 * MiB
+    try:
+        assert machine.cache_sizes() == {"L1d": 48 * 1024, "L2": MiB, "L3": 32 * MiB}
+        assert machine.segment_rule() == machine.segment_rule({"L2": MiB}) == 2 * MiB
+    finally:
+        monkeypatch.undo()
+        machine.cache_sizes.cache_clear()
 
 
 def test_cache_sizes_of_this_machine_are_well_formed():

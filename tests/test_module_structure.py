@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 PACKAGE = "mpifusion"
 MAX_LINES = 800
 #: extensions a module may be built from or shipped as (the C kernel is a module too)
@@ -58,6 +58,13 @@ def _module_files(top: str) -> Dict[str, str]:
 
 
 MODULES = _module_files(os.path.join(ROOT, PACKAGE))
+
+
+def test_the_rules_see_the_whole_package():
+    """The rules below pass vacuously on an empty module list (a wrong ROOT once did)."""
+    import mpifusion.comm.engines
+    assert MODULES.get("mpifusion.comm.engines") == mpifusion.comm.engines.__file__
+    assert len(MODULES) > 40, sorted(MODULES)
 
 
 def _is_module(dotted: str) -> bool:
