@@ -161,9 +161,11 @@ def pytest_sessionfinish(session, exitstatus):
                                  if config.getoption("strict_skips") else [])
     if config._mpifusion_refused and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # a pytest-xdist worker sees only its share; the controller gets every report and logs
+    worker = hasattr(config, "workerinput")
     if _rank(config) == 0:
         folder = os.environ.get(skips.LOG_ENV)
-        if folder and _OUTCOMES:
+        if folder and _OUTCOMES and not worker:
             label = os.environ.get(skips.LABEL_ENV) or (
                 f"mpi-n{_world().Get_size()}" if _under_mpi(config) else "serial")
             skips.write_log(folder, label, dict(_OUTCOMES))
