@@ -154,9 +154,16 @@ def remove(paths: Sequence[Path]) -> List[Path]:
     return removed
 
 
-def sweep(since: Iterable[str], min_age: float = MIN_AGE) -> List[Path]:
-    """Remove the leftovers made since the snapshot; the paths removed."""
-    return remove(leftovers(since, min_age))
+def sweep(since: Iterable[str], min_age: float = MIN_AGE, settle: bool = True) -> List[Path]:
+    """Remove the leftovers made since the snapshot; the paths removed. With ``settle``, an
+    unused entry still younger than ``min_age`` (a job killed in the session's last seconds)
+    is waited for once, up to ``min_age``, and removed if no process has taken it by then:
+    otherwise the end-of-run check found it, after the session that made it had ended."""
+    removed = remove(leftovers(since, min_age))
+    if settle and min_age > 0 and leftovers(since, 0.0):
+        time.sleep(min_age)
+        removed += remove(leftovers(since, min_age))
+    return removed
 
 
 def _ancestors() -> set:

@@ -43,6 +43,16 @@ def test_a_young_segment_is_left_alone(segment):
     assert segment not in leftovers.leftovers(before, min_age=60)
 
 
+def test_a_segment_made_just_before_the_sweep_is_waited_for(segment):
+    """A job killed in a session's last seconds leaves a segment too young to judge at the
+    session's end: the sweep waits until it is old enough, then removes it if unused."""
+    before = leftovers.snapshot()
+    segment.write_bytes(b"\0" * 4096)
+    assert leftovers.sweep(before, min_age=0.5, settle=False) == []
+    assert leftovers.sweep(before, min_age=0.5) == [segment]
+    assert not segment.exists()
+
+
 def test_a_mapped_segment_is_left_alone(segment):
     before = leftovers.snapshot()
     segment.write_bytes(b"\0" * 4096)
