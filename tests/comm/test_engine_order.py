@@ -610,6 +610,11 @@ PERSISTENT_SCRIPT = textwrap.dedent(r'''
             print(f"rank {rank}: {label}: WRONG {arr[:3]} want {want[:3]}", flush=True)
 
     if case == "handoff":
+        # the private duplicates are made (collectively, once per comm) under a long deadline
+        # and the ranks start together: only the collectives below meet the 0.3 s one (seen
+        # under load: the duplicate itself timed out when one rank started 0.3 s later)
+        Communicator(comm, CommOptions(strategy=strategy, timeout=60))
+        comm.Barrier()
         c = Communicator(comm, CommOptions(strategy=strategy, timeout=0.3))
         for t in range(trials):
             a = np.full(1000, rank + 1.0 + t, np.float64)
