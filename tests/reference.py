@@ -25,6 +25,21 @@ def rank_grads(nranks, acc, shapes, seed, dtype=np.float32):
              for n, s in shapes.items()} for _ in range(nranks)]
 
 
+def fp32_reduction(grads, average):
+    """What a correct fp32 implementation of ``rank_grads``' dump holds: per-rank fp32
+    accumulation of the micro-steps, the fp32 sum over ranks in rank order, then 1/n."""
+    out = {}
+    for n in grads[0]:
+        local = [sum(g[n][1:], start=g[n][0].astype(np.float32).copy()) for g in grads]
+        total = local[0].copy()
+        for x in local[1:]:
+            total += x
+        if average:
+            total *= np.float32(1.0 / len(grads))
+        out[n] = total
+    return out
+
+
 def exact_values(shape, dtype, *key, span=8, den=8):
     """Multiples of ``1/den`` in ``[-span, span)``, a pure function of ``key`` (e.g. rank, size,
     salt), so any rank can rebuild any other's. They are exact in every dtype, and sums of a

@@ -42,26 +42,24 @@ def byte_size(text: str) -> int:
     return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

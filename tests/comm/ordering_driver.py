@@ -292,12 +292,7 @@ def suite():
     order_mismatch((15, 15), "equal sizes")
     order_mismatch((15, 200), "different sizes")
     order_mismatch_free_grads()
-    negotiated()
-    build_in_flight()
-    interleaved()
-    threads()
-    alias()
-    lifetime()
+    suite_one_rank()
 
 
 def abandon():

@@ -22,7 +22,7 @@ from mpifusion.oracle import assert_matches_reference, check, error_bound
 from mpifusion.oracle.dumps import DumpError
 
 from tests.helpers import run_cmd
-from tests.reference import rank_grads
+from tests.reference import fp32_reduction, rank_grads
 
 SHAPES = {"emb": (37, 5), "w": (7, 3), "b": (13,), "odd": (3, 1, 11)}
 
@@ -34,20 +34,6 @@ def _spec(nranks, act="reduce_scatter", acc=1, average=True, dtype="float32", **
 
 def _grads(nranks, acc, seed, dtype=np.float32):
     return rank_grads(nranks, acc, SHAPES, seed, dtype)
-
-
-def _fp32_result(grads, average):
-    """A correct fp32 implementation: local accumulation, cross-rank sum, then 1/n."""
-    out = {}
-    for n in SHAPES:
-        local = [sum(g[n][1:], start=g[n][0].astype(np.float32).copy()) for g in grads]
-        total = local[0].copy()
-        for x in local[1:]:
-            total += x
-        if average:
-            total *= np.float32(1.0 / len(grads))
-        out[n] = total
-    return out
 
 
 def _inputs(g):
@@ -92,7 +78,7 @@ def _sharded_dumps(grads, result, ranges):
 @pytest.mark.parametrize("layout", ["dim0", "flat"])
 def test_range_layouts_pass_and_a_corrupt_piece_fails(nranks, layout):
     grads = _grads(nranks, 2, seed=nranks)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     ranges = ({n: _dim0_ranges(s, nranks) for n, s in SHAPES.items()} if layout == "dim0"
               else _flat_ranges(nranks))
     dumps = _sharded_dumps(grads, result, ranges)
@@ -118,7 +104,7 @@ def test_megatron_style_padded_buffer_shards():
     range of a param is its intersection with the shard, in param coordinates."""
     nranks = 3
     grads = _grads(nranks, 1, seed=11)
-    result = _fp32_result(grads, average=False)
+    result = fp32_reduction(grads, average=False)
     offsets, start = {}, 0
     for n, s in SHAPES.items():
         offsets[n] = start
@@ -139,7 +125,7 @@ def test_megatron_style_padded_buffer_shards():
 def test_gaps_fail_and_overlaps_are_reported():
     nranks = 2
     grads = _grads(nranks, 1, seed=3)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     ranges = {n: _dim0_ranges(s, nranks) for n, s in SHAPES.items()}
     numel = int(np.prod(SHAPES["emb"]))
     ranges["emb"] = [(0, 60), (70, numel)]          # [60, 70) held by nobody
@@ -162,7 +148,7 @@ def test_paddle_cut_stays_the_default_and_ranges_override_it(tmp_path):
     (fp32: every param padded to a multiple of 64 * nranks elements)."""
     nranks = 2
     grads = _grads(nranks, 1, seed=5)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     flat = []
     for n, s in SHAPES.items():
         numel = int(np.prod(s))
@@ -272,7 +258,7 @@ def test_gather_gap_and_conflicting_overlap():
 def test_reduce_off_the_root_follows_paddles_rule():
     nranks, dst = 3, 1
     grads = _grads(nranks, 2, seed=4)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     dumps = []
     for r, g in enumerate(grads):
         d = _inputs(g)
@@ -292,7 +278,7 @@ def test_reduce_off_the_root_follows_paddles_rule():
 def test_report_text_json_and_assert_helper():
     nranks = 2
     grads = _grads(nranks, 1, seed=1)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     dumps = [{**_inputs(g), **{f"out/{n}": result[n] for n in SHAPES}} for g in grads]
     spec = _spec(nranks, act="all_reduce")
     report = assert_matches_reference(spec, dumps)
@@ -336,7 +322,7 @@ def test_keys_the_spec_does_not_expect_are_bad_input(tmp_path, capsys):
 
     nranks, acc = 2, 2
     grads = _grads(nranks, acc + 1, seed=5)  # three micro-steps recorded
-    dropped = _fp32_result([{n: xs[:acc] for n, xs in g.items()} for g in grads], True)
+    dropped = fp32_reduction([{n: xs[:acc] for n, xs in g.items()} for g in grads], True)
     dumps = [{**_inputs(g), **{f"out/{n}": dropped[n] for n in SHAPES}} for g in grads]
     spec = _spec(nranks, act="all_reduce", acc=acc)
     with pytest.raises(DumpError, match=r"^rank 0 \(in memory\): in/(\w+)/2: micro-step 2, but "
@@ -395,7 +381,7 @@ def test_range_dumps_from_files_and_the_cli(tmp_path, capsys):
 
     nranks = 3
     grads = _grads(nranks, 1, seed=8)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     ranges = {n: _dim0_ranges(s, nranks) for n, s in SHAPES.items()}
     ranges["emb"] = [(0, 60), (70, 150), (150, 185)]
     for r, d in enumerate(_sharded_dumps(grads, result, ranges)):
@@ -417,7 +403,7 @@ def test_plot_draws_error_over_bound_per_param_and_rank(tmp_path, capsys):
 
     nranks = 3
     grads = _grads(nranks, 2, seed=2)
-    result = _fp32_result(grads, average=True)
+    result = fp32_reduction(grads, average=True)
     dumps = [{**_inputs(g), **{f"out/{n}": result[n].copy() for n in SHAPES}} for g in grads]
     dumps[1]["out/w"].reshape(-1)[3] += np.float32(1e-4)
     dumps[2]["out/b"].reshape(-1)[0] = np.nan
@@ -457,7 +443,7 @@ def test_reduce_non_root_rule_agrees_with_mpifusion_runtime(tmp_path, nranks):
 
 def test_nranks_from_the_records_when_the_spec_has_none():
     grads = _grads(3, 1, seed=6)
-    result = _fp32_result(grads, average=False)
+    result = fp32_reduction(grads, average=False)
     spec = _spec(3, act="all_reduce", average=False)
     del spec["nranks"]
     records = ({**_inputs(g), **{f"out/{n}": result[n] for n in SHAPES}} for g in grads)

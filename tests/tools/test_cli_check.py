@@ -13,7 +13,7 @@ import pytest
 
 from tests.forge import hostile_dumps, write_spec
 from tests.helpers import mpiexec, one_line_error, run_cli, run_cmd
-from tests.reference import rank_grads
+from tests.reference import fp32_reduction, rank_grads
 
 SHAPES = {"w0": (10, 3), "w1": (257,), "w2": (3, 31, 2)}
 
@@ -30,20 +30,6 @@ def _inputs(nranks: int, acc: int, seed: int = 0) -> list:
     return rank_grads(nranks, acc, SHAPES, seed)
 
 
-def _fp32_sum(grads: list, acc: int, average: bool) -> dict:
-    """What a correct fp32 implementation holds: per-rank fp32 accumulation, fp32 sum."""
-    out = {}
-    for n in SHAPES:
-        local = [sum(g[n][1:], start=g[n][0].copy()) for g in grads]
-        total = local[0].copy()
-        for x in local[1:]:
-            total += x
-        if average:
-            total *= np.float32(1.0 / len(grads))
-        out[n] = total
-    return out
-
-
 def _dump(folder, grads: list, outs: list) -> str:
     folder.mkdir(exist_ok=True)
     for r, (g, o) in enumerate(zip(grads, outs)):
@@ -56,7 +42,7 @@ def _dump(folder, grads: list, outs: list) -> str:
 @pytest.fixture
 def good(tmp_path):
     grads = _inputs(3, 2)
-    reduced = _fp32_sum(grads, 2, average=True)
+    reduced = fp32_reduction(grads, average=True)
     folder = _dump(tmp_path / "dump", grads, [reduced] * 3)
     spec = _write_spec(tmp_path, act="all_reduce", nranks=3, acc_steps=2, average=True)
     return spec, folder, grads, reduced
@@ -92,7 +78,7 @@ def test_corrupted_output_fails_naming_the_param(capsys, good, tmp_path):
 
 def test_sum_not_mean_and_nan_fail(capsys, good, tmp_path):
     spec, folder, grads, reduced = good
-    summed = _fp32_sum(grads, 2, average=False)
+    summed = fp32_reduction(grads, average=False)
     folder = _dump(tmp_path / "sum", grads, [summed] * 3)
     assert run_cli(capsys, "check", "--spec", spec, folder)[0] == 1
     spec_sum = _write_spec(tmp_path, act="all_reduce", nranks=3, acc_steps=2, average=False)
@@ -107,7 +93,7 @@ def test_reduce_checks_the_root_and_dumped_non_roots(capsys, tmp_path):
     """The root holds the reduced grads; a non-root rank that dumps its buffer must hold its
     own grads (Paddle's rule: local values, scaled by 1/n with the rest when averaging)."""
     grads = _inputs(2, 1, seed=3)
-    reduced = _fp32_sum(grads, 1, average=False)
+    reduced = fp32_reduction(grads, average=False)
     junk = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
     spec = _write_spec(tmp_path, act="reduce", nranks=2, dst=1, acc_steps=1)
     omitted = _dump(tmp_path / "omitted", grads, [{}, reduced])
@@ -122,7 +108,7 @@ def test_reduce_checks_the_root_and_dumped_non_roots(capsys, tmp_path):
     assert run_cli(capsys, "check", "--spec", spec0, folder)[0] == 1
     # averaged: the root holds the mean, the non-root its own grads times 1/2 ...
     spec_avg = _write_spec(tmp_path, act="reduce", nranks=2, dst=1, acc_steps=1, average=True)
-    mean = _fp32_sum(grads, 1, average=True)
+    mean = fp32_reduction(grads, average=True)
     half = {n: (x * np.float32(0.5)).astype(np.float32) for n, x in own.items()}
     avg = _dump(tmp_path / "avg", grads, [half, mean])
     assert run_cli(capsys, "check", "--spec", spec_avg, avg)[0] == 0
@@ -136,7 +122,7 @@ def test_reduce_scatter_slices(capsys, tmp_path):
     """Each rank holds its 1-D slice of the padded buffer (fp32: 64 x nranks padding)."""
     n = 2
     grads = _inputs(n, 1, seed=5)
-    reduced = _fp32_sum(grads, 1, average=True)
+    reduced = fp32_reduction(grads, average=True)
     # independent layout: every param padded to a multiple of 128 elements, in order
     flat, offset = [], 0
     for name, shape in SHAPES.items():
