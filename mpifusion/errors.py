@@ -60,6 +60,21 @@ class OracleMismatch(FusionError, AssertionError):
         self.ranks = list(getattr(report, "failing_ranks", []))
 
 
+class WeakCheckError(FusionError, AssertionError):
+    """A check that passed on inputs that cannot reveal a missing reduction (the same inputs
+    on every rank, or all zeros): a reducer that does nothing would pass it too. Raised by
+    ``assert_matches_reference`` and the pytest fixture unless ``allow_weak=True``."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class OracleWarning(UserWarning):
+    """The oracle passed, but its bound is coarser than one input's contribution: a result
+    missing one rank's or micro-step's gradient may pass (half-precision grads, many ranks)."""
+
+
 class OrderError(CommError):
     """Ranks started different collectives at the same point of a communicator's stream
     (another buffer, step, size or kind): nothing was exchanged, every rank raises it."""

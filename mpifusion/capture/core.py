@@ -63,6 +63,7 @@ class Recorder:
         self._inputs: dict = {}   # name -> [array per micro-step]
         self._arrays: dict = {}   # out/, range/, shard/, param/ keys
         self._deferred: list = []  # errors of reading the sync's results, raised by to_dict
+        self.step_label: Optional[int] = None  # set by step(k): save() writes step{k}/
 
     # ---------------------------------------------------------------- recording
     def declare(self, name: str, shape: Iterable[int], dtype: Any) -> None:
@@ -159,6 +160,17 @@ class Recorder:
         self._arrays.clear()
         self._deferred.clear()
 
+    def step(self, k: int) -> "Recorder":
+        """Start training step ``k`` (call it before the step's first forward): forget what was
+        recorded (the declared params stay), and make :meth:`save` write
+        ``directory/step{k}/rank{r}.npz``, which ``check`` reads step by step, naming the
+        step that fails (and an accumulator not zeroed between steps). Returns self."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise CaptureError(f"rank {self.rank}: step: expected an int >= 0, got {k!r}")
+        self.clear()
+        self.step_label = k
+        return self
+
     # ---------------------------------------------------------------- results
     @property
     def acc_steps(self) -> int:
@@ -210,8 +222,11 @@ class Recorder:
         return mine
 
     def save(self, directory: str) -> str:
-        """Write ``rank{r}.npz`` into ``directory`` (bfloat16 as raw 2-byte values, which
-        ``.npz`` can hold) and return its path."""
+        """Write ``rank{r}.npz`` into ``directory`` (``directory/step{k}/`` after
+        :meth:`step`; bfloat16 as raw 2-byte values, which ``.npz`` can hold) and return its
+        path."""
+        if self.step_label is not None:
+            directory = os.path.join(directory, f"step{self.step_label}")
         os.makedirs(directory, exist_ok=True)
         arrays = {}
         for key, arr in self.to_dict().items():

@@ -12,19 +12,25 @@ or ``report = check(spec, dumps)`` for the statistics (``report.ok``, ``str(repo
 """
 from typing import Any
 
-from ..errors import OracleMismatch
+from ..errors import OracleMismatch, OracleWarning, WeakCheckError
 from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound, format_ratio,
                     reduce_dtype, summed, unit_roundoff)
 from .check import as_spec, check, check_dump
 from .dumps import DumpError
 from .report import CheckReport, CoverageIssue, SyncStats
+from .steps import StepsReport, check_steps
 
 
-def assert_matches_reference(spec: Any, dumps: Any, **options: Any) -> CheckReport:
+def assert_matches_reference(spec: Any, dumps: Any, *, allow_weak: bool = False,
+                             **options: Any) -> CheckReport:
     """``check(spec, dumps, **options).raise_for_failure()``: the one-line assertion for test
     suites; raises :class:`~mpifusion.errors.OracleMismatch` (an AssertionError) naming the
-    params and ranks that stray, and returns the report otherwise."""
-    return check(spec, dumps, **options).raise_for_failure()
+    params and ranks that stray. A PASS on inputs that cannot reveal a missing reduction
+    (every rank fed the same inputs, or zeros) proves nothing, so it raises
+    :class:`~mpifusion.errors.WeakCheckError` (one line: why, how to fix the inputs) unless
+    ``allow_weak``; a bound coarser than one input warns (``OracleWarning``). ``dumps`` may
+    be a directory of ``step{k}/`` folders (:func:`check_steps`). Returns the report."""
+    return check(spec, dumps, **options).raise_for_failure().raise_for_weakness(allow_weak)
 
 
 def plot_report(report: CheckReport, path: str) -> str:
@@ -38,4 +44,5 @@ def plot_report(report: CheckReport, path: str) -> str:
 __all__ = ["BoundModel", "ErrorStats", "as_float64", "bound_model", "error_bound",
            "format_ratio", "reduce_dtype", "summed", "unit_roundoff", "CheckReport",
            "CoverageIssue", "SyncStats", "OracleMismatch", "as_spec", "check", "check_dump",
-           "assert_matches_reference", "plot_report", "DumpError"]
+           "assert_matches_reference", "plot_report", "DumpError", "OracleWarning",
+           "WeakCheckError", "check_steps", "StepsReport"]

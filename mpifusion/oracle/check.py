@@ -210,7 +210,9 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
     own inputs, and its param all-gather bit-exact.
 
     ``spec``: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path. ``dumps``: a
-    directory of ``rank{r}.npz``, or a list (rank order) of ``.npz`` paths or dicts of arrays.
+    directory of ``rank{r}.npz``, or a list (rank order) of ``.npz`` paths or dicts of arrays;
+    a directory of ``step{k}/`` folders is checked step by step (:func:`~.steps.check_steps`,
+    which returns a :class:`~.steps.StepsReport`).
     ``reduce_avg``: the implementation averaged inside the collective (Paddle's
     ``use_reduce_avg``), so non-root ranks of ``reduce`` keep their unscaled local sum.
     Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank and key);
@@ -220,6 +222,10 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
 
     if not isinstance(reduce_avg, (bool, np.bool_)):
         raise DumpError(f"reduce_avg: expected True or False, got {reduce_avg!r}")
+    from .steps import check_steps, is_steps_dir
+
+    if is_steps_dir(dumps):  # step{k}/ folders (cap.step(k)): each step, naming the failing one
+        return check_steps(spec, dumps, reduce_avg=reduce_avg)  # type: ignore[return-value]
     spec = as_spec(spec)
     labels, files, source = _open_dumps(dumps, spec.nranks)
     try:
@@ -418,6 +424,9 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                 f"{grad_dtype} grads: the bound allows {model.rel:.3g} of sum|x| per element, "
                 f"more than one of the {nranks * acc} inputs (ranks x micro-steps) adds on "
                 f"average: a result missing one rank's or one micro-step's gradient may pass")
+            report.coarse.append(
+                f"{grad_dtype} grads: the bound ({model.rel:.3g} of sum|x|) is coarser than one "
+                f"of the {nranks * acc} inputs adds on average")
     glob = ReferenceSum()
     local = []  # per rank (REDUCE only, for the non-root rule): its own ReferenceSum
     digests = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
@@ -438,6 +447,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     if p.numel and not np.any(absolute):
         report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
                             f"reduction passes too")
+        report.weak.append(f"{p.name}: every input is 0")
     elif nranks > 1 and p.numel and len(set(digests)) == 1:
         report.notes.append(
             f"{p.name}: every rank fed the same inputs"
@@ -445,6 +455,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                "reduction passes too" if spec.average else "")
             + "; inputs recorded after a reduction (a hook ahead of the capture's) look the "
               "same, and then any reduction passes")
+        report.weak.append(f"{p.name}: every rank fed the same inputs")
     if spec.average:
         ref /= nranks
     bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
@@ -571,4 +582,3 @@ def _check_gather(report: CheckReport, p: Any, act: str, labels: list, files: li
             stats.ranks.append(rank)
     report.coverage.extend(_coverage(p.name, "shard", pieces, numel))
     report.sync.append(stats)
-

@@ -2,10 +2,18 @@
 
 Enable it with ``pytest_plugins = ["mpifusion.oracle.pytest_plugin"]`` in a ``conftest.py``
 (or ``pytest -p mpifusion.oracle.pytest_plugin``). The fixture is a function
-``mpifusion_oracle(spec, dumps, **options)`` that checks the dumps, fails the test with the
-report (naming the params and ranks) when they stray, and returns the report; every report
-is also written as JSON under the test's ``tmp_path`` (``oracle-report.json``) for CI
-artifacts.
+``mpifusion_oracle(spec, dumps, *, allow_weak=False, **options)`` that checks the dumps (a
+directory of ``step{k}/`` folders: every step), fails the test with the report (naming the
+step, params and ranks) when they stray, fails it with one line when the inputs cannot
+reveal a missing reduction (the same inputs on every rank, or zeros) unless ``allow_weak``,
+warns (``OracleWarning``) when the bound is coarser than one input, and returns the report.
+Every report is also written as JSON under the test's ``tmp_path``: ``oracle-report.json``
+for the first call of a test, ``oracle-report-2.json``, ``-3`` ... for later ones.
+
+A test failing with :class:`~mpifusion.errors.OracleMismatch` or
+:class:`~mpifusion.errors.WeakCheckError` (``assert_matches_reference``, or a rank's check
+re-raised by :func:`mpifusion.capture.torch.spawn`) shows the message, report first, instead
+of a traceback.
 """
 from __future__ import annotations
 
@@ -14,21 +22,37 @@ from typing import Any, Callable
 
 import pytest
 
+from ..errors import OracleMismatch, WeakCheckError
 from . import check
+from .report import weak_message
 
 
 @pytest.fixture
 def mpifusion_oracle(tmp_path: Any) -> Callable[..., Any]:
-    """Check ``(spec, dumps)`` against the float64 reference; fail the test on a mismatch."""
+    """Check ``(spec, dumps)`` against the float64 reference; fail the test on a mismatch
+    or on inputs too weak to reveal one (unless ``allow_weak=True``)."""
     counter = [0]
 
-    def run(spec: Any, dumps: Any, **options: Any) -> Any:
+    def run(spec: Any, dumps: Any, *, allow_weak: bool = False, **options: Any) -> Any:
         report = check(spec, dumps, **options)
         counter[0] += 1
         name = "oracle-report.json" if counter[0] == 1 else f"oracle-report-{counter[0]}.json"
         (tmp_path / name).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
         if not report.ok:
             pytest.fail(f"mpifusion oracle: FAIL\n{report}", pytrace=False)
-        return report
+        if report.weak and not allow_weak:
+            pytest.fail(weak_message(report), pytrace=False)
+        return report.raise_for_weakness(allow_weak=True)  # the coarse-bound warning
 
     return run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    """The oracle's own failures read as their message (the report), not a traceback."""
+    outcome = yield
+    rep = outcome.get_result()
+    if call.excinfo is not None and rep.failed and \
+            call.excinfo.errisinstance((OracleMismatch, WeakCheckError)):
+        exc = call.excinfo.value
+        rep.longrepr = f"{type(exc).__name__}: {exc}"

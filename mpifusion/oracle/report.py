@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import OracleMismatch
+from ..errors import OracleMismatch, OracleWarning, WeakCheckError
 from .bound import ErrorStats, format_ratio
 
 
@@ -71,6 +71,13 @@ class CheckReport:
     #: a bound too coarse to see one lost input, inputs that cannot reveal a missing
     #: reduction, keys of params the spec does not fuse
     notes: list = field(default_factory=list)
+    #: why these inputs cannot reveal a missing reduction, one ``"{name}: why"`` per param
+    #: (identical inputs on every rank, all-zero inputs): a PASS proves little, and
+    #: ``assert_matches_reference`` and the pytest fixture fail on it unless ``allow_weak``
+    weak: list = field(default_factory=list)
+    #: grad dtypes whose bound is coarser than one input's contribution (a result missing one
+    #: rank or micro-step may pass): the fixture and ``assert_matches_reference`` warn
+    coarse: list = field(default_factory=list)
 
     # ---------------------------------------------------------------- verdicts
     def failures(self) -> list:
@@ -82,8 +89,11 @@ class CheckReport:
             if not s.ok:
                 simple = not (s.nonfinite or getattr(s, "mismatched", 0)
                               or getattr(s, "overflow", 0))
-                items.append((s.name, "grad", f"err/bound {format_ratio(s.max_ratio)} on rank "
-                              f"{s.worst_rank}" if simple else (s.reason or "nonfinite")))
+                wrong = self.wrong_ranks(s.name)
+                where = (f"on rank {s.worst_rank}" if len(wrong) <= 1 else
+                         f"on ranks {wrong}, worst at rank {s.worst_rank}")
+                items.append((s.name, "grad", f"err/bound {format_ratio(s.max_ratio)} {where}"
+                              if simple else (s.reason or "nonfinite")))
         for c in self.coverage:
             if c.fails:
                 items.append((c.name, "gap", f"{c.what}/ gap [{c.begin}, {c.end})"))
@@ -111,6 +121,22 @@ class CheckReport:
     def failing(self) -> list:
         return list(self.reasons())
 
+    def wrong_ranks(self, name: str) -> list:
+        """The ranks whose gradient of ``name`` strays (every one, not only the worst: one
+        rank's bad contribution makes every rank's reduced result wrong)."""
+        return sorted(r for r, s in self.rank_stats.get(name, {}).items() if not s.ok)
+
+    def weak_summary(self) -> str:
+        """One line: why a PASS of these inputs proves little (empty when it does not)."""
+        if not self.weak:
+            return ""
+        by_why: dict = {}
+        for item in self.weak:
+            name, _, why = item.partition(": ")
+            by_why.setdefault(why, []).append(name)
+        return "; ".join(f"{why} ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''})"
+                         for why, names in by_why.items())
+
     @property
     def failing_ranks(self) -> list:
         ranks = set()
@@ -137,6 +163,13 @@ class CheckReport:
         raise OracleMismatch(f"oracle: {len(reasons)} param(s) do not match the reference"
                              f"{where}: {head}{more}\n{self}", self)
 
+    def raise_for_weakness(self, allow_weak: bool = False) -> "CheckReport":
+        """Raise :class:`~mpifusion.errors.WeakCheckError` (one line: why, and how to fix
+        the inputs) where these inputs cannot reveal a missing reduction, unless
+        ``allow_weak``; warn (:class:`~mpifusion.errors.OracleWarning`) where the bound is
+        coarser than one input; return self."""
+        return enforce_strength(self, allow_weak)
+
     # ---------------------------------------------------------------- output
     def to_json(self, spec: Any = None) -> dict:
         """The report as JSON-ready data (``null`` for an infinite ratio)."""
@@ -151,7 +184,7 @@ class CheckReport:
                     "worst_rank": s.worst_rank, "nonfinite": s.nonfinite,
                     "nonfinite_reference": s.nonfinite_ref, "nonfinite_mismatch": s.mismatched,
                     "overflow": s.overflow, "beyond_bound": s.beyond, "ok": s.ok,
-                    "reason": s.reason}
+                    "reason": s.reason, "wrong_ranks": self.wrong_ranks(s.name)}
 
         params = []
         for s in self.stats:
@@ -173,6 +206,8 @@ class CheckReport:
                              "conflicts": s.conflicts, "ok": s.ok} for s in self.sync],
             "failing": self.reasons(),
             "notes": list(self.notes),
+            "weak": list(self.weak),
+            "coarse": list(self.coarse),
         })
         return doc
 
@@ -193,12 +228,15 @@ class CheckReport:
         if self.stats:
             width = max(len("param"), *(len(s.name) for s in self.stats))
             out.append(f"{'param':<{width}}  {'elements':>10}  {'max abs err':>11}  "
-                       f"{'max rel err':>11}  {'err/bound':>9}  {'rank':>4}  status")
+                       f"{'max rel err':>11}  {'err/bound':>9}  {'worst':>5}  status")
             for s in self.stats:
                 status = "ok" if s.ok else ("NONFINITE" if s.nonfinite else "FAIL")
+                if not s.ok and self.wrong_ranks(s.name):  # worst is one rank; wrong, all
+                    wrong = self.wrong_ranks(s.name)
+                    status += f": wrong on rank{'s' if len(wrong) > 1 else ''} {wrong}"
                 rank = "-" if s.worst_rank is None else s.worst_rank
                 out.append(f"{s.name:<{width}}  {s.compared:>10}  {s.max_abs:>11.3g}  "
-                           f"{s.max_rel:>11.3g}  {format_ratio(s.max_ratio):>9}  {rank:>4}  "
+                           f"{s.max_rel:>11.3g}  {format_ratio(s.max_ratio):>9}  {rank:>5}  "
                            f"{status}")
             for s in self.stats:
                 why = getattr(s, "reason", None)
@@ -222,7 +260,8 @@ class CheckReport:
             parts = [f"{len(self.stats)} params within the bound"] if self.stats else []
             if self.sync:
                 parts.append(f"{len(self.sync)} gathered params exact")
-            out.append(f"PASS: {', '.join(parts) or f'{checked} params'}")
+            weak = f" (weak: {self.weak_summary()})" if self.weak else ""
+            out.append(f"PASS{weak}: {', '.join(parts) or f'{checked} params'}")
         elif all(kind == "grad" for _, kind, _ in self.failures()):
             bad = list(reasons)
             out.append(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
@@ -236,3 +275,28 @@ class CheckReport:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+#: how to make inputs that can reveal a missing reduction (the weak-check message's tail)
+WEAK_FIX = ("give each rank its own data (a per-rank seed, e.g. torch.manual_seed(seed + "
+            "rank), or mpifusion.oracle.exact_inputs), or pass allow_weak=True")
+
+
+def weak_message(report: Any) -> str:
+    """The one line a weak check fails with: why these inputs prove little, and the fix."""
+    return (f"mpifusion oracle: weak check: {report.weak_summary()}: these inputs cannot reveal "
+            f"a missing reduction (a reducer that does nothing passes too); {WEAK_FIX}")
+
+
+def enforce_strength(report: Any, allow_weak: bool = False) -> Any:
+    """What ``assert_matches_reference`` and the fixture do after a PASS: refuse a weak one
+    (unless ``allow_weak``), warn of a coarse bound. ``report``: a CheckReport or a
+    StepsReport (both have ``weak``, ``coarse`` and ``weak_summary``)."""
+    import warnings
+
+    if report.weak and not allow_weak:
+        raise WeakCheckError(weak_message(report), report)
+    for why in dict.fromkeys(report.coarse):
+        warnings.warn(OracleWarning(f"mpifusion oracle: {why}: a result missing one rank's or "
+                                    f"one micro-step's gradient may pass"), stacklevel=3)
+    return report

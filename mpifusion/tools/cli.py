@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Recompute the reduced gradients of a dump in float64 and "
                          "compare with what the implementation held (docs/oracle.md).")
     chk.add_argument("--spec", required=True, metavar="FILE", help="JSON spec of the dump")
-    chk.add_argument("dir", metavar="DIR", help="folder with rank{r}.npz per rank")
+    chk.add_argument("dir", metavar="DIR", help="folder with rank{r}.npz per rank, or with "
+                     "step{k}/ folders of them (each step checked, the failing one named)")
     chk.add_argument("--json", action="store_true", help="print the report as JSON")
     chk.add_argument("--plot", metavar="FILE.png",
                      help="also draw error/bound per param and rank into FILE.png (matplotlib)")
@@ -293,8 +294,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise UsageError(f"--plot: {exc}") from None
     report = check(args.spec, args.dir, reduce_avg=args.reduce_avg)
     if plot_file is not None:
+        steps = getattr(report, "steps", None)  # a step{k}/ directory: plot the failing step
+        shown = report if steps is None else report.report(
+            (report.failing_steps or [steps[-1][0]])[0])
         try:
-            plot_file = plot_report(report, plot_file)
+            plot_file = plot_report(shown, plot_file)
         except PlotError as exc:
             raise UsageError(f"--plot: {exc}") from None
     if args.json:
