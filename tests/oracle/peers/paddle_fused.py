@@ -4,6 +4,9 @@ the launcher). Writes ``OUT/{case}/rank{r}.npz`` + ``OUT/{case}/spec.json`` per 
 
 * ``ar_acc{K}_{pre|post}`` (+ ``_corrupt``): ALL_REDUCE with release_grads, K micro-steps,
   1/n applied before (scale_after_comm=False) or after the collective;
+* ``ar_acc2_pre_dropped`` (+ ``_corrupt``): ``ar_acc2_pre`` where a rank-local guard in
+  ``2.weight``'s backward hook drops its grad of micro-step 0 on rank 1 (zeroed before
+  ``add_grad``);
 * ``reduce_acc2`` (+ ``_corrupt``): REDUCE to rank 0 (gloo leaves partial sums in non-root
   buffers, so only the root's result is dumped);
 * ``rs_solo_rank{r}``: a REDUCE_SCATTER buffer over a one-rank group per rank (gloo has no
@@ -36,7 +39,10 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--nranks", type=int, default=2)
+    parser.add_argument("--cases", default="", help="comma-separated all-reduce/reduce cases "
+                        "to run, and nothing else (default: every case)")
     args = parser.parse_args()
+    wanted = set(filter(None, args.cases.split(",")))
     rank, n = _rank(), args.nranks
     eps = [f"127.0.0.1:{args.port + r}" for r in range(n)]
     os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(n),
@@ -72,17 +78,24 @@ def main() -> int:
             with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
                 json.dump(spec, f)
 
-    def run(case, act, acc, scale_after_comm):
+    def run(case, act, acc, scale_after_comm, bug=None):
+        if wanted and case not in wanted:
+            return
         layer = model()
         params = layer.parameters()
         cap = PaddleCapture(layer)  # names from named_parameters: 0.weight ... 2.bias
         kw = {"dst": 0} if act == tfh.HOOK_ACTION.REDUCE else {}
         buf = tfh.FusedCommBuffer(0, params, group, acc_steps=acc, act=act, release_grads=True,
                                   scale_after_comm=scale_after_comm, **kw)
+        step = [0]
         for p in params:  # what Paddle's sharding/pp code registers: add_grad after backward
-            p._register_backward_hook(tfh.bw_hook_func(buf, p))
+            hook = tfh.bw_hook_func(buf, p)
+            if bug == "dropped" and p is params[2]:
+                hook = guarded(hook, p, step)
+            p._register_backward_hook(hook)
         gen = np.random.default_rng(100 + rank)
-        for _ in range(acc):
+        for k in range(acc):
+            step[0] = k
             x = paddle.to_tensor(gen.standard_normal((8, 17)).astype("float32"))
             (layer(x) ** 2).mean().backward()
         buf.scale_grads()
@@ -99,10 +112,25 @@ def main() -> int:
             cap.record_outputs()
         save(case + "_corrupt", cap, spec)
 
+    def guarded(hook, p, step):
+        """The hook behind a rank-local guard that drops 2.weight's grad of micro-step 0 on
+        rank 1 (zeroed in place before add_grad copies it into the buffer: skipping add_grad
+        itself would leave the buffer one check-in short, and the other ranks waiting)."""
+        def fused_comm(*a):
+            if rank == 1 and step[0] == 0:
+                with paddle.no_grad():
+                    p.grad.zero_()
+            return hook(*a)
+        return fused_comm
+
     for acc in (1, 2, 3):
         for sac in (False, True):
             run(f"ar_acc{acc}_{'post' if sac else 'pre'}", tfh.HOOK_ACTION.ALL_REDUCE, acc, sac)
+    run("ar_acc2_pre_dropped", tfh.HOOK_ACTION.ALL_REDUCE, 2, False, bug="dropped")
     run("reduce_acc2", tfh.HOOK_ACTION.REDUCE, 2, False)
+    if wanted:  # only the named all-reduce / reduce cases
+        print(f"rank {rank}: done", flush=True)
+        return 0
 
     # REDUCE_SCATTER outputs cut as Paddle cuts them: gloo has no reduce_scatter, so each rank
     # runs a buffer over a group of its own (one rank: nothing to send) and dumps its slices
