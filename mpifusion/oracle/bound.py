@@ -1,11 +1,14 @@
-"""The float64 reference of a gradient sync, and how far a correct result may be from it.
+"""The reference of a gradient sync, and how far a correct result may be from it.
 
-Both ``mpifusion run`` (checking mpifusion itself) and ``mpifusion check`` (checking another
-implementation) compare against the exact sum of the gradients that were fed in, computed in
-float64, and accept an element when its error is within :func:`error_bound` of that element.
-The bound is a worst-case rounding-error bound (Higham, *Accuracy and Stability of Numerical
-Algorithms*, ch. 3-4), not a tolerance picked to make tests pass: an implementation that
-rounds more often, or in a narrower dtype, than the model below can exceed it.
+``mpifusion check`` (checking another implementation) compares against the *exact*
+reference (:mod:`.exact`): per element the exact sum of the gradients that were fed in, or
+their exact mean, rounded once into the grad dtype. ``mpifusion run`` (checking mpifusion
+itself) still compares against a float64 sum (:class:`ReferenceSum`), whose own roundings
+the bound then counts (``n_ref``). Either way an element passes when its error is within
+:func:`error_bound`, a worst-case rounding-error bound (Higham, *Accuracy and Stability of
+Numerical Algorithms*, ch. 3-4), not a tolerance picked to make tests pass: an
+implementation that rounds more often, or in a narrower dtype, than the model below can
+exceed it.
 
 Model of a sync (the half-precision rule mpifusion implements):
 
@@ -16,6 +19,11 @@ Model of a sync (the half-precision rule mpifusion implements):
 3. an average multiplies by ``fl(1/R)``: two more roundings in the reduce dtype, and one in
    the grad dtype when a half-precision buffer is pre-scaled before communicating;
 4. a half-precision grad buffer receives the fp32 result rounded once.
+
+With the exact reference ``ref = RN(V)`` (``V`` the exact sum or mean) the comparison is
+``|out - RN(V)| <= |out - V| + |V - RN(V)|``: the implementation's own roundings (the
+model above) plus the one rounding of the reference, which is 0 where ``V`` is a value of
+the grad dtype and at most ``u |RN(V)| + underflow`` elsewhere.
 """
 from __future__ import annotations
 
@@ -66,8 +74,10 @@ def _max_acc_steps(acc: str, red: str, n_red: int, nranks: int) -> int:
     return max(0, int((THETA_MAX - n_red * _UNIT_ROUNDOFF[red]) / per_step))
 
 
-def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool) -> BoundModel:
-    """The two constants of the bound (see :func:`error_bound`)."""
+def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool,
+                exact_reference: bool = False) -> BoundModel:
+    """The two constants of the bound (see :func:`error_bound`); ``exact_reference``: the
+    reference is the exactly rounded one (no float64 roundings of its own to allow for)."""
     acc = as_dtype(grad_dtype).name
     red = reduce_dtype(acc)
     u_acc, u_red = _UNIT_ROUNDOFF[acc], _UNIT_ROUNDOFF[red]
@@ -78,7 +88,7 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     # multiplication by fl(1/R) for a mean): its roundings are as large as a float64
     # implementation's own, so they are part of |out - ref| (without them a correct float64
     # sum in another rank order fails, at 1.33x the bound at 4 ranks)
-    n_ref = (nranks * acc_steps - 1) + (2 if average else 0)
+    n_ref = 0 if exact_reference else (nranks * acc_steps - 1) + (2 if average else 0)
     theta = n_acc * u_acc + n_red * u_red + n_ref * _UNIT_ROUNDOFF["float64"]
     if theta >= THETA_MAX:  # an OptionError: a ValueError too, and one line for the CLI
         raise OptionError(f"acc_steps {acc_steps}, nranks {nranks}: too many roundings to "
@@ -94,14 +104,20 @@ def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: boo
     n_under = n_acc + (nranks - 1 if (average and half) else 0)
     absolute = (n_under * _UNDERFLOW[acc] + n_red * _UNDERFLOW[red]
                 + n_ref * _UNDERFLOW["float64"])
-    formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta, theta = {n_acc}*u({acc}) + "
-               f"{n_red}*u({red}) + {n_ref}*u(float64) = {theta:.3g}, "
-               f"c = {'1/' + str(nranks) if average else '1'}")
+    c_text = f"c = {'1/' + str(nranks) if average else '1'}"
+    if exact_reference:
+        formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta + d, theta = "
+                   f"{n_acc}*u({acc}) + {n_red}*u({red}) = {theta:.3g}, {c_text}, ref the exact "
+                   f"value V rounded once to {acc}, d = 0 where ref = V, else "
+                   f"u({acc})*|ref| + underflow({acc})")
+    else:
+        formula = (f"|out - ref| <= c*sum|x| * theta/(1-theta) + eta, theta = {n_acc}*u({acc}) + "
+                   f"{n_red}*u({red}) + {n_ref}*u(float64) = {theta:.3g}, {c_text}")
     return BoundModel(rel, absolute, formula)
 
 
 def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_steps: int,
-                average: bool) -> np.ndarray:
+                average: bool, ref_error: Optional[np.ndarray] = None) -> np.ndarray:
     """Per element, the largest error a correct sync may have.
 
     ``abs_sum`` is ``sum over ranks r and micro-steps k of |x[r,k]|`` (float64), where the
@@ -116,6 +132,11 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
         eta   = (n_acc + [average and half] * (R - 1)) * underflow(grad dtype)
                 + n_red * underflow(reduce dtype) + n_ref * underflow(float64)
 
+    With ``ref_error`` (:class:`~.exact.ExactResult.error`: per element a bound on
+    ``|V - ref|``, 0 where the exactly rounded reference equals the exact ``V``) the
+    reference is exact but for its one rounding to the grad dtype: ``n_ref = 0`` and
+    ``ref_error`` is added, since ``|out - ref| <= |out - V| + |V - ref|``.
+
     Each rounding contributes a factor ``(1 + d)`` with ``|d| <= u``, and every partial sum is
     bounded by ``c * abs_sum``; ``theta/(1-theta)`` bounds their product (Higham, Lemma 3.1).
     ``eta`` covers results that land in the subnormal range, where rounding errors are
@@ -128,12 +149,28 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     treats as a failure. Neither is ever an infinite tolerance for a finite reference.
     """
     model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc_steps,
-                        average=average)
+                        average=average, exact_reference=ref_error is not None)
     c = 1.0 / nranks if average else 1.0
     abs_sum = np.asarray(abs_sum, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
         bound = abs_sum * (c * model.rel) + model.absolute
+        if ref_error is not None:
+            bound += np.asarray(ref_error, dtype=np.float64).reshape(bound.shape)
     return np.where(np.isinf(abs_sum), abs_sum, bound)  # inf * 0 would be NaN
+
+
+def as_native(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
+    """``arr`` in its own float dtype, not copied (the exact reference reads any float
+    dtype, and a float64 copy of every rank's inputs would double their memory); raw 2-byte
+    data is viewed as bfloat16 under the rule of :func:`as_float64`."""
+    arr = np.asarray(arr)
+    dt = arr.dtype
+    if dt.name != "bfloat16" and dt.itemsize == 2 and (dt.kind == "V" or dt == np.uint16):
+        if dtype_hint != "bfloat16":
+            raise ValueError(f"raw 2-byte values ({dt}) are read as bfloat16 bits only for a "
+                             f"bfloat16 param, not {dtype_hint}")
+        return arr.view(as_dtype("bfloat16"))
+    return arr
 
 
 def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:

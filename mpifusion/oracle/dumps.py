@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import FusionError
 from ..limits import memory_problem, open_regular, shape_too_large
-from .bound import as_float64
+from .bound import as_float64, as_native
 
 #: longest ``.npy`` header read (numpy's own default limit)
 MAX_HEADER_BYTES = 10000
@@ -190,9 +190,11 @@ class DumpFile:
             raise DumpError(f"{self.path}: {key}: dtype {m.dtype} is not a plain numeric dtype")
         return self._raw(key, m)
 
-    def read(self, key: str, shape: tuple, dtype: str) -> np.ndarray:
-        """The array of ``key`` as float64, after :meth:`check`."""
-        return as_float64(self._raw(key, self.check(key, shape, dtype)), dtype)
+    def read(self, key: str, shape: tuple, dtype: str, native: bool = False) -> np.ndarray:
+        """The array of ``key`` as float64 (``native``: in its stored float dtype, raw 2-byte
+        values as bfloat16), after :meth:`check`."""
+        raw = self._raw(key, self.check(key, shape, dtype))
+        return as_native(raw, dtype) if native else as_float64(raw, dtype)
 
     def _raw(self, key: str, m: Member) -> np.ndarray:
         need = m.data_offset + m.numel * m.dtype.itemsize
@@ -226,15 +228,16 @@ def _short(exc: BaseException) -> str:
 
 
 def read_array(files: Any, path: str, key: str, shape: tuple, dtype: str,
-               missing_ok: bool = False) -> Optional[np.ndarray]:
+               missing_ok: bool = False, native: bool = False) -> Optional[np.ndarray]:
     """``key`` of ``files`` (a :class:`DumpFile`, or a mapping of arrays with ``files``) as
-    float64, checked against ``shape`` and dtype; None when missing and ``missing_ok``."""
+    float64 (``native``: in its own float dtype, see :func:`~.bound.as_native`), checked
+    against ``shape`` and dtype; None when missing and ``missing_ok``."""
     if key not in files.files:
         if missing_ok:
             return None
         raise DumpError(f"{path}: {key}: missing (expected shape {list(shape)})")
     if isinstance(files, DumpFile):
-        return files.read(key, shape, dtype)
+        return files.read(key, shape, dtype, native=native)
     try:
         arr = files[key]
     except DumpError:
@@ -247,7 +250,7 @@ def read_array(files: Any, path: str, key: str, shape: tuple, dtype: str,
     problem = _dtype_problem(arr.dtype, dtype)
     if problem:
         raise DumpError(f"{path}: {key}: {problem}")
-    return as_float64(arr, dtype)
+    return as_native(arr, dtype) if native else as_float64(arr, dtype)
 
 
 def _floating(dt: np.dtype, spec_dtype: str) -> bool:
