@@ -17,6 +17,8 @@ from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound
                     reduce_dtype, summed, unit_roundoff)
 from .check import as_spec, check, check_dump
 from .dumps import DumpError
+from .inputs import (Contributions, ExactPattern, decode_contributions, exact_inputs,
+                     exact_pattern, exact_sum, exact_tolerance)
 from .report import CheckReport, CoverageIssue, SyncStats
 from .steps import StepsReport, check_steps
 
@@ -45,4 +47,6 @@ __all__ = ["BoundModel", "ErrorStats", "as_float64", "bound_model", "error_bound
            "format_ratio", "reduce_dtype", "summed", "unit_roundoff", "CheckReport",
            "CoverageIssue", "SyncStats", "OracleMismatch", "as_spec", "check", "check_dump",
            "assert_matches_reference", "plot_report", "DumpError", "OracleWarning",
-           "WeakCheckError", "check_steps", "StepsReport"]
+           "WeakCheckError", "check_steps", "StepsReport", "exact_inputs", "exact_sum",
+           "exact_pattern", "exact_tolerance", "decode_contributions", "Contributions",
+           "ExactPattern"]

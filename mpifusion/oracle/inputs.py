@@ -364,7 +364,7 @@ def exact_formula(grad_dtype: Any, *, nranks: int, average: bool,
     if not average:
         return "exact inputs: bit-exact (sum)"
     if is_power_of_two(nranks):
-        return f"exact inputs: bit-exact (mean over {nranks} ranks, a power of two)"
+        return f"exact inputs: bit-exact (mean over {nranks} rank(s), a power of two)"
     if prescaled:
         k = nranks + 2
         return (f"exact inputs, mean over {nranks} ranks (not a power of two), pre-scaled "

@@ -66,11 +66,17 @@ class CheckReport:
     spec: Any = None
     source: str = ""
     reduce_avg: bool = False
+    #: checked with exact inputs (check(exact=True)): 0 difference, or the mean's rounding
+    exact: bool = False
     ranged: list = field(default_factory=list)  # params whose pieces came with range/
     #: what this check could not tell, in words (printed as ``note:`` lines, JSON ``notes``):
     #: a bound too coarse to see one lost input, inputs that cannot reveal a missing
     #: reduction, keys of params the spec does not fuse
     notes: list = field(default_factory=list)
+    #: name -> :class:`~mpifusion.oracle.diagnose.Diagnosis` of every failing param's grads:
+    #: what most likely went wrong (a sum for a mean, a missing rank, ...); advice only, the
+    #: verdict never depends on it
+    diagnoses: dict = field(default_factory=dict)
     #: why these inputs cannot reveal a missing reduction, one ``"{name}: why"`` per param
     #: (identical inputs on every rank, all-zero inputs): a PASS proves little, and
     #: ``assert_matches_reference`` and the pytest fixture fail on it unless ``allow_weak``
@@ -192,6 +198,8 @@ class CheckReport:
             entry["ranks"] = [{"rank": r, "compared": rs.compared,
                                "err_over_bound": num(rs.max_ratio), "ok": rs.ok}
                               for r, rs in sorted(self.rank_stats.get(s.name, {}).items())]
+            if s.name in self.diagnoses:
+                entry["diagnosis"] = self.diagnoses[s.name].to_json()
             params.append(entry)
         doc = {"verdict": "PASS" if self.ok else "FAIL"}
         if spec is not None:
@@ -206,6 +214,7 @@ class CheckReport:
                              "conflicts": s.conflicts, "ok": s.ok} for s in self.sync],
             "failing": self.reasons(),
             "notes": list(self.notes),
+            "exact": self.exact,
             "weak": list(self.weak),
             "coarse": list(self.coarse),
         })
@@ -242,6 +251,9 @@ class CheckReport:
                 why = getattr(s, "reason", None)
                 if why:
                     out.append(f"{s.name}: {why}")
+                if s.name in self.diagnoses:
+                    d = self.diagnoses[s.name]
+                    out.append(f"diagnosis: {s.name}: {d.kind}: {d.text}")
         for c in self.coverage:
             out.append(f"{'GAP' if c.fails else 'note'}: {c}")
         if self.sync:
@@ -257,7 +269,10 @@ class CheckReport:
         reasons = self.reasons()
         checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
         if not reasons:
-            parts = [f"{len(self.stats)} params within the bound"] if self.stats else []
+            within = "within the bound" if not self.exact else (
+                "bit-exact (exact inputs)" if all("bit-exact" in f for f in self.bounds.values())
+                else "within the rounding of the mean (exact inputs)")
+            parts = [f"{len(self.stats)} params {within}"] if self.stats else []
             if self.sync:
                 parts.append(f"{len(self.sync)} gathered params exact")
             weak = f" (weak: {self.weak_summary()})" if self.weak else ""
