@@ -5,11 +5,9 @@ Every rank builds the same params, fuses them with ``fused_parameters`` (or, for
 same groups), and emulates ``acc_steps`` backward passes per step by calling each param's
 backward hook in reverse param order. The gradient a rank feeds is a pure function of
 (seed, rank, step, micro-step, param), so each rank recomputes, in float64, the exact sum over
-all ranks of what it should hold and compares with :func:`mpifusion.oracle.error_bound`.
-
-Gradients are windows of one random table of ``TABLE_SIZE`` (a prime) values, each starting
-at an offset hashed from that tuple: generating them costs a copy, and the float64 reference
-of a param longer than the table costs ``R*K*TABLE_SIZE`` adds instead of ``R*K*numel``.
+all ranks of what it should hold and compares with :func:`mpifusion.oracle.error_bound`, or,
+with exact inputs (``--inputs exact``), demands it bit for bit. The gradient sources:
+``gradsource``.
 """
 from __future__ import annotations
 
@@ -28,20 +26,19 @@ from ..runtime.buffer import FusedCommBuffer, HookAction
 from ..dtypes import as_dtype, dtype_name
 from ..runtime.fusion import fused_parameters
 from ..oracle import ErrorStats, bound_model, error_bound, format_ratio
+from ..oracle.inputs import exact_formula, exact_tolerance
 from ..runtime.param import Param
 from ..config import CommOptions
-from ..errors import LayoutError
+from ..errors import LayoutError, OptionError
 from ..plan.grouping import PlanError, grad_dtype_for, split_groups
 from .bandwidth import algbw, bus_factor, fmt_gbps
 from ..limits import format_bytes, memory_problem
 from .render import buffer_summary
 from ..spec import Spec
+from .gradsource import GRAD, INIT, TABLE_SIZE, UPDATE, ExactGradSource, GradSource
 
-#: length of the random table gradients are cut from (prime, so windows rarely line up)
-TABLE_SIZE = 1_000_003
-
-#: key namespaces of GradSource.start: gradients, initial params, params after an update
-GRAD, INIT, UPDATE = 0, 1, 2
+__all__ = ["GRAD", "INIT", "TABLE_SIZE", "UPDATE", "ExactGradSource", "GradSource",
+           "RunOptions", "run_job"]
 
 #: printed before the verdict of a one-rank job (e.g. ``mpifusion run`` without ``mpiexec``)
 ONE_RANK_NOTE = ("note: this job has 1 rank, so no gradient crossed ranks; start more with "
@@ -61,62 +58,6 @@ def agree(comm: MPI.Comm, error: Optional[str]) -> Optional[str]:
     return None
 
 
-def _window(table: np.ndarray, start: int, n: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """``table[(start + j) % len(table)]`` for ``j < n``, by slice copies."""
-    size = len(table)
-    if out is None:
-        out = np.empty(n, dtype=table.dtype)
-    pos, s = 0, start % size
-    while pos < n:
-        take = min(size - s, n - pos)
-        out[pos:pos + take] = table[s:s + take]
-        pos += take
-        s = 0
-    return out
-
-
-class GradSource:
-    """The synthetic gradients of a run, and their exact float64 sums."""
-
-    def __init__(self, seed: int, dtype: Any) -> None:
-        self.seed = int(seed)
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0x6D70_6675]))
-        self.table = rng.standard_normal(TABLE_SIZE).astype(as_dtype(dtype))
-        self.table64 = self.table.astype(np.float64)  # the fed values, exactly
-
-    def start(self, *key: int) -> int:
-        """Offset into the table for a key of non-negative ints (first: GRAD, INIT, UPDATE)."""
-        state = np.random.SeedSequence([self.seed, *key]).generate_state(2)
-        return int((int(state[0]) << 32 | int(state[1])) % TABLE_SIZE)
-
-    def grad(self, rank: int, step: int, micro: int, pidx: int, shape: Sequence[int]) -> np.ndarray:
-        """What backward gives ``rank`` for param ``pidx`` at (step, micro-step)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return _window(self.table, self.start(GRAD, rank, step, micro, pidx), n).reshape(shape)
-
-    def values(self, key: Sequence[int], n: int) -> np.ndarray:
-        """Deterministic values (e.g. new params) of the table dtype, for ``key``."""
-        return _window(self.table, self.start(*key), n)
-
-    def reference(self, step: int, pidx: int, lo: int, hi: int, nranks: int,
-                  acc_steps: int) -> tuple:
-        """``(sum, sum|x|)`` over ranks and micro-steps of elements ``[lo, hi)`` of a param."""
-        n = hi - lo
-        starts = [self.start(GRAD, r, step, k, pidx) for r in range(nranks) for k in range(acc_steps)]
-        period = n > TABLE_SIZE
-        width = TABLE_SIZE if period else n
-        total = np.zeros(width)
-        absolute = np.zeros(width)
-        piece = np.empty(width)
-        for s in starts:
-            _window(self.table64, s if period else s + lo, width, piece)
-            total += piece
-            absolute += np.abs(piece)
-        if period:
-            return _window(total, lo, n), _window(absolute, lo, n)
-        return total, absolute
-
-
 @dataclass
 class RunOptions:
     """The switches of a run that are not part of the spec."""
@@ -127,6 +68,7 @@ class RunOptions:
     reduce_avg: bool = False
     scale_after_comm: bool = False
     progress: bool = True
+    inputs: str = "random"  # or "exact": oracle.exact_inputs, checked bit for bit
     comm_options: Optional[CommOptions] = None  # None: CommOptions.from_env()
 
 
@@ -255,10 +197,16 @@ def _table_dtype(spec: Spec) -> Any:
                key=lambda d: np.finfo(d).nmant)
 
 
+def _prescaled(options: RunOptions) -> bool:
+    """Each rank scales by 1/n before the collective (so a non-power-of-two mean of exact
+    inputs rounds in every addition), unless reduce-avg or scale-after-comm."""
+    return not (options.reduce_avg or options.scale_after_comm)
+
+
 class Verifier:
     """Compares what this rank holds after a sync with the float64 reference."""
 
-    def __init__(self, job: Job, src: GradSource) -> None:
+    def __init__(self, job: Job, src: Any) -> None:
         self.job, self.src = job, src
         self.rank, self.size = job.comm.Get_rank(), job.comm.Get_size()
         self.stats = {p.name: ErrorStats(p.name) for p in job.params}
@@ -274,8 +222,13 @@ class Verifier:
             ref, absolute = self.src.reference(step, pidx, lo, lo + real, self.size,
                                                spec.acc_steps)
             ref /= self.size  # FusedCommBuffer always averages
-            bound = error_bound(absolute, grad_dtype=_grad_dtype(spec, param),
-                                nranks=self.size, acc_steps=spec.acc_steps, average=True)
+            if self.src.exact:  # 0, or the rounding of a non-power-of-two mean
+                bound = exact_tolerance(ref, absolute, grad_dtype=_grad_dtype(spec, param),
+                                        nranks=self.size, average=True,
+                                        prescaled=_prescaled(self.job.options))
+            else:
+                bound = error_bound(absolute, grad_dtype=_grad_dtype(spec, param),
+                                    nranks=self.size, acc_steps=spec.acc_steps, average=True)
             stats.update(out[:real].astype(np.float64), ref, bound, self.rank, offset=lo)
         if real < out.size:  # padding must stay exactly zero
             pad = out[real:].astype(np.float64)
@@ -428,7 +381,21 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
     if error is not None:
         return _fail_input(rank, error)
 
-    src = GradSource(options.seed, _table_dtype(spec))
+    try:  # exact inputs refuse what they cannot hold exactly (OptionError): bad input
+        src = (ExactGradSource(spec, options.seed, _table_dtype(spec), size)
+               if options.inputs == "exact" else GradSource(options.seed, _table_dtype(spec)))
+        rules = {str(b.grad_dtype): exact_formula(b.grad_dtype, nranks=size, average=True,
+                                                  prescaled=_prescaled(options))
+                 for b in job.plan if src.exact}
+        for grad_dtype in rules:  # a mean that rounds too often to check is refused now
+            exact_tolerance(np.ones(1), np.ones(1), grad_dtype=grad_dtype, nranks=size,
+                            average=True, prescaled=_prescaled(options))
+        error = None
+    except OptionError as exc:
+        error = str(exc)
+    error = agree(comm, error)
+    if error is not None:
+        return _fail_input(rank, error)
     verifier = Verifier(job, src)
     grad_bytes = sum(b.grad_nbytes for b in job.plan)
     param_bytes = sum(b.layout.nbytes for b in job.plan)
@@ -440,13 +407,16 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
         f"{options.steps} step(s), {len(job.params)} params, use_main_grad {spec.use_main_grad}, "
         f"release_grads {options.release_grads}, reduce_avg {options.reduce_avg}, "
         f"scale_after_comm {options.scale_after_comm}, seed {options.seed}"
-        f"{', strategy ' + strategy if strategy else ''}")
+        f"{', inputs exact' if src.exact else ''}{', strategy ' + strategy if strategy else ''}")
     for planned in job.plan[:8]:
         out("  " + buffer_summary(planned))
     if len(job.plan) > 8:
         out(f"  ... {len(job.plan) - 8} more buffer(s); see mpifusion layout")
     for grad_dtype, model in models.items():
-        out(f"error bound (oracle.error_bound, {grad_dtype} grads): {model.formula}")
+        if src.exact:
+            out(f"tolerance (oracle.exact_tolerance, {grad_dtype} grads): {rules[grad_dtype]}")
+        else:
+            out(f"error bound (oracle.error_bound, {grad_dtype} grads): {model.formula}")
 
     bar = None
     history = []
@@ -511,18 +481,23 @@ def run_job(spec: Spec, options: RunOptions, comm: MPI.Comm,
             out(f"sync_params: {'exact' if not bad_sync else 'WRONG for ' + ', '.join(bad_sync[:10])}")
         if size == 1:
             out(ONE_RANK_NOTE)
+        bound = ("the error bound" if not src.exact else "bit-exact (exact inputs)"
+                 if all("bit-exact" in r for r in rules.values())
+                 else "the rounding of the mean (exact inputs)")
         if failing or bad_sync:
             names = ", ".join(failing[:10]) + (" ..." if len(failing) > 10 else "")
             why = []
             if failing:
-                why.append(f"{len(failing)} param(s) beyond the error bound: {names}")
+                beyond = "not " + bound if bound.startswith("bit") else "beyond " + bound
+                why.append(f"{len(failing)} param(s) {beyond}: {names}")
                 for name in failing[:10]:
                     out(f"  {name}: {merged[name].reason}")
             if bad_sync:
                 why.append(f"{len(bad_sync)} param(s) wrong after sync_params")
             verdict = "FAIL: " + "; ".join(why)
         else:
-            verdict = (f"PASS: {len(merged)} params within the error bound on {size} rank(s) "
+            within = bound if bound.startswith("bit") else "within " + bound
+            verdict = (f"PASS: {len(merged)} params {within} on {size} rank(s) "
                        f"for {options.steps} step(s)")
         out(verdict)
     code = 0 if rank != 0 or verdict.startswith("PASS") else 1
