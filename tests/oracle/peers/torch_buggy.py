@@ -269,7 +269,13 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:  # noqa: B036 - end this rank now: its sockets close, the peers'
+        import traceback    # collectives raise, and mpiexec ends the job instead of waiting
+
+        traceback.print_exc()
+        code = 1
     # every file is written and closed: skip torch's C++ teardown, whose gloo threads can
     # abort the process at exit under load (see torch_peer.py)
     sys.stdout.flush()
