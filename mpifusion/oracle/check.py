@@ -26,8 +26,9 @@ import numpy as np
 
 from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
-from .bound import ErrorStats, ReferenceSum, bound_model, error_bound
+from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
+from .exact import ExactSum, exact_sum
 from .report import CheckReport, CoverageIssue, SyncStats
 
 
@@ -304,6 +305,20 @@ def _check_representable(x: np.ndarray, grad_dtype: str, where: str) -> None:
                         f"received, recorded in that dtype")
 
 
+def _read_grad(f: Any, lab: str, key: str, p: Any, grad_dtype: str) -> np.ndarray:
+    """An input as a flat array of its grad dtype (zeros where a frozen param has none):
+    kept in that dtype, not float64, since every rank's inputs of a param are held at once
+    for the exact sum. A wider storage must hold values of the grad dtype."""
+    x = read_array(f, lab, key, p.shape, p.dtype, missing_ok=p.stop_gradient, native=True)
+    want = as_dtype(grad_dtype)
+    if x is None:
+        return np.zeros(p.numel, dtype=want)
+    if x.dtype != want:
+        _check_representable(x.astype(np.float64), grad_dtype, f"{lab}: {key}")
+        x = x.astype(want)
+    return x.reshape(-1)
+
+
 def _key_param(key: str) -> str:
     """The param a dump-format key names (``in/{name}/{k}``, ``out/{name}``, ...)."""
     prefix, _, rest = key.partition("/")
@@ -417,7 +432,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
     if grad_dtype not in report.bounds:
         model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                            average=spec.average)
+                            average=spec.average, exact_reference=True)
         report.bounds[grad_dtype] = model.formula
         if model.rel * nranks * acc >= 1:
             report.notes.append(
@@ -427,23 +442,21 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             report.coarse.append(
                 f"{grad_dtype} grads: the bound ({model.rel:.3g} of sum|x|) is coarser than one "
                 f"of the {nranks * acc} inputs adds on average")
-    glob = ReferenceSum()
-    local = []  # per rank (REDUCE only, for the non-root rule): its own ReferenceSum
+    glob = ExactSum()  # every rank's inputs, in the grad dtype: summed exactly below
     digests = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
+    kept: list = []  # per rank, its inputs per micro-step: for the diagnosis of a failure
     for lab, f in zip(labels, files):
-        own = ReferenceSum() if act == "reduce" else None
         digest = hashlib.blake2b(digest_size=16)
+        kept.append([])
         for k in range(acc):
-            x = read_array(f, lab, f"in/{p.name}/{k}", p.shape, p.dtype, missing_ok=p.stop_gradient)
-            x = np.zeros(p.shape) if x is None else x
-            _check_representable(x, grad_dtype, f"{lab}: in/{p.name}/{k}")
+            x = _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
             digest.update(np.ascontiguousarray(x).tobytes())
             glob.add(x)
-            if own is not None:
-                own.add(x)
-        local.append(own)
+            kept[-1].append(x)
         digests.append(digest.digest())
-    ref, absolute, overflow = glob.total, glob.absolute, glob.overflow.reshape(-1)
+    # the exact sum (mean) rounded once to the grad dtype; its rounding goes into the bound
+    exact = glob.result(grad_dtype, nranks if spec.average else 1)
+    ref, absolute, overflow = exact.value, exact.absolute, exact.overflow
     if p.numel and not np.any(absolute):
         report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
                             f"reduction passes too")
@@ -456,10 +469,8 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             + "; inputs recorded after a reduction (a hook ahead of the capture's) look the "
               "same, and then any reduction passes")
         report.weak.append(f"{p.name}: every rank fed the same inputs")
-    if spec.average:
-        ref /= nranks
     bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                        average=spec.average)
+                        average=spec.average, ref_error=exact.error)
     stats = ErrorStats(p.name)
     per_rank: dict = {}
     ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
@@ -494,11 +505,10 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                 continue
             scaled = spec.average and not reduce_avg
             c = 1.0 / nranks if scaled else 1.0
-            own = local[rank]
+            own = exact_sum(kept[rank], grad_dtype, nranks if scaled else 1)
             tol = error_bound(own.absolute * c, grad_dtype=grad_dtype, nranks=1,
-                              acc_steps=acc, average=scaled)
-            fold(rank, out.reshape(-1), (own.total * c).reshape(-1), tol.reshape(-1),
-                 own.overflow.reshape(-1))
+                              acc_steps=acc, average=scaled, ref_error=own.error)
+            fold(rank, out.reshape(-1), own.value, tol.reshape(-1), own.overflow)
         elif use_ranges:
             rng = ranges[rank]
             if rng is None:
