@@ -191,3 +191,84 @@ def test_bf16_cross_rank_sum_breaks_the_fp32_reduce_bound():
     for v in x[1:]:
         naive = (naive + v).astype(ml_dtypes.bfloat16)
     assert np.any(np.abs(naive.astype(np.float64) - exact) > bound)
+
+
+# --------------------------------------------------------------------------- exact reference
+
+
+def test_exact_reference_bound_drops_the_float64_roundings():
+    """With the exact reference the model has no n_ref term: a smaller theta, and a formula
+    that names the reference's one rounding instead of float64 roundings."""
+    from mpifusion.oracle import bound_model
+
+    old = bound_model(grad_dtype="float64", nranks=8, acc_steps=4, average=True)
+    new = bound_model(grad_dtype="float64", nranks=8, acc_steps=4, average=True,
+                      exact_reference=True)
+    assert new.rel < old.rel and new.absolute <= old.absolute
+    old = bound_model(grad_dtype="float32", nranks=8, acc_steps=4, average=True)
+    new = bound_model(grad_dtype="float32", nranks=8, acc_steps=4, average=True,
+                      exact_reference=True)
+    assert new.rel < old.rel and new.absolute <= old.absolute
+    assert "u(float64)" in old.formula and "u(float64)" not in new.formula
+    assert "rounded once" in new.formula
+
+
+def _exact(x, dtype, n):
+    from mpifusion.oracle.exact import exact_sum
+
+    return exact_sum(list(x.reshape(-1, x.shape[-1])), dtype, n)
+
+
+@pytest.mark.parametrize("nranks, acc", [(2, 1), (3, 2), (7, 1), (8, 4)])
+def test_fp32_any_order_is_within_the_exact_bound(nranks, acc):
+    """Correct fp32 reductions in several orders, pre-scaled or not, against the exactly
+    rounded mean: within c*sum|x|*theta/(1-theta) + eta + d, with d the reference's own
+    rounding."""
+    rng = np.random.default_rng(nranks * 10 + acc)
+    x = (rng.standard_normal((nranks, acc, 4000))
+         * 10.0 ** rng.integers(-3, 3, (1, 1, 4000))).astype(np.float32)
+    res = _exact(x, "float32", nranks)
+    bound = error_bound(res.absolute, grad_dtype="float32", nranks=nranks, acc_steps=acc,
+                        average=True, ref_error=res.error)
+    for order in (np.arange(nranks), np.arange(nranks)[::-1], rng.permutation(nranks)):
+        local = [sum(x[r, 1:], start=x[r, 0].copy()) for r in order]
+        total = local[0].copy()
+        for v in local[1:]:
+            total += v
+        after = total * np.float32(1.0 / nranks)
+        before = sum((v * np.float32(1.0 / nranks) for v in local[1:]),
+                     start=local[0] * np.float32(1.0 / nranks))
+        for out in (after, before):
+            assert np.all(np.abs(out.astype(np.float64) - res.value) <= bound)
+
+
+def test_float64_grads_any_order_is_within_the_exact_bound():
+    """float64 grads: the implementation's own R - 1 roundings suffice now that the
+    reference does not round (values built to round both ways)."""
+    rng = np.random.default_rng(7)
+    x = np.array([[1.0, 2.0 ** -53, 3 * 2.0 ** -53, -(2.0 ** -52)]]).T
+    x = np.concatenate([x, rng.standard_normal((4, 500))], axis=1)
+    res = _exact(x, "float64", 1)
+    bound = error_bound(res.absolute, grad_dtype="float64", nranks=4, acc_steps=1,
+                        average=False, ref_error=res.error)
+    import itertools
+
+    for order in itertools.permutations(range(4)):
+        out = x[order[0]].copy()
+        for r in order[1:]:
+            out = out + x[r]
+        assert np.all(np.abs(out - res.value) <= bound), order
+
+
+def test_bf16_cross_rank_sum_breaks_the_exact_bound_too():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8, 20000)).astype(ml_dtypes.bfloat16)
+    res = _exact(x, "bfloat16", 1)
+    bound = error_bound(res.absolute, grad_dtype="bfloat16", nranks=8, acc_steps=1,
+                        average=False, ref_error=res.error)
+    good = x.astype(np.float32).sum(axis=0).astype(ml_dtypes.bfloat16)
+    assert np.all(np.abs(good.astype(np.float64) - res.value) <= bound)
+    naive = x[0].copy()
+    for v in x[1:]:
+        naive = (naive + v).astype(ml_dtypes.bfloat16)
+    assert np.any(np.abs(naive.astype(np.float64) - res.value) > bound)
