@@ -153,10 +153,12 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     c = 1.0 / nranks if average else 1.0
     abs_sum = np.asarray(abs_sum, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        bound = abs_sum * (c * model.rel) + model.absolute
+        bound = np.asarray(abs_sum * (c * model.rel) + model.absolute)
         if ref_error is not None:
             bound += np.asarray(ref_error, dtype=np.float64).reshape(bound.shape)
-    return np.where(np.isinf(abs_sum), abs_sum, bound)  # inf * 0 would be NaN
+    # inf * 0 would be NaN; in place, since a param's bound is one of its largest arrays
+    np.copyto(bound, abs_sum, where=np.isinf(abs_sum))
+    return bound
 
 
 def as_native(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:

@@ -76,8 +76,8 @@ def _is_pow2(n: int) -> bool:
 
 def _round_float64(q: np.ndarray, name: str) -> np.ndarray:
     """``q`` (float64) rounded to nearest even in ``name``, as float64 (inf past max).
-    fp32 by numpy's cast (correctly rounded); the others by scaling: ml_dtypes rounds
-    float64 to bf16 through fp32, twice."""
+    fp32 by numpy's cast (correctly rounded in hardware); fp16 and bf16 by scaling to an
+    integer and ``rint``, which depends on no library's cast."""
     with np.errstate(over="ignore", invalid="ignore"):
         if name == "float64":
             return q.copy()
