@@ -13,6 +13,7 @@ Use one backward per micro-step; ``spec()`` counts them.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from typing import Any, Optional
 
@@ -245,3 +246,34 @@ class TorchCapture(Recorder):
         out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
         dist.gather_object(mine, out, dst=dst)
         return out
+
+
+#: mpifusion's exceptions a rank's traceback text carries back to the process that spawned it
+_RERAISED = ("mpifusion.errors.OracleMismatch", "mpifusion.errors.WeakCheckError",
+             "mpifusion.capture.core.CaptureError")
+
+
+def spawn(fn: Any, args: tuple = (), nprocs: int = 1, **kwargs: Any) -> Any:
+    """``torch.multiprocessing.spawn(fn, args, nprocs, ...)``, except that a rank that failed
+    the oracle's check (``OracleMismatch``, ``WeakCheckError``) or the capture
+    (``CaptureError``) raises that error here, its message (the report) prefixed with the
+    rank, instead of a ``ProcessRaisedException`` whose traceback hides the report a hundred
+    lines down. Any other failure propagates unchanged."""
+    import torch.multiprocessing as mp
+
+    from ..errors import OracleMismatch, WeakCheckError
+
+    __tracebackhide__ = True  # pytest: the failure starts at the caller's line
+    try:
+        return mp.spawn(fn, args=args, nprocs=nprocs, **kwargs)
+    except mp.ProcessRaisedException as exc:
+        text = str(getattr(exc, "msg", exc))
+        found = None
+        for match in re.finditer(rf"^({'|'.join(map(re.escape, _RERAISED))}): ", text, re.M):
+            found = match  # the last one: the exception the rank ended with
+        if found is None:
+            raise
+        cls = {"OracleMismatch": OracleMismatch, "WeakCheckError": WeakCheckError,
+               "CaptureError": CaptureError}[found.group(1).rpartition(".")[2]]
+        message = text[found.end():].rstrip()
+        raise cls(f"rank {exc.error_index}: {message}") from None
