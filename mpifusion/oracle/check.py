@@ -28,6 +28,7 @@ from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
+from .diagnose import diagnose_failure
 from .exact import ExactSum, exact_sum
 from .report import CheckReport, CoverageIssue, SyncStats
 
@@ -482,6 +483,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     key = f"out/{p.name}"
     use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
     pieces: dict = {}
+    seen: dict = {}  # rank -> (out, expected, bound, offset): for the diagnosis of a failure
     if use_ranges:
         for lab, f, rng in zip(labels, files, ranges):
             if rng is None and key in f:
@@ -493,6 +495,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     def fold(rank: int, out: np.ndarray, want: np.ndarray, tol: np.ndarray,
              over: np.ndarray, offset: int = 0) -> None:
         rs = ErrorStats(p.name)
+        seen[rank] = (out, want, tol, offset)
         for lo in range(0, out.size, _COMPARE_CHUNK):  # chunks: bounded temporaries
             hi = lo + _COMPARE_CHUNK
             rs.update(out[lo:hi], want[lo:hi], tol[lo:hi], rank, overflow=over[lo:hi],
@@ -544,6 +547,10 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
         report.coverage.extend(_coverage(p.name, "out", pieces, p.numel))
     report.stats.append(stats)
     report.rank_stats[p.name] = per_rank
+    if not stats.ok:  # what most likely went wrong (advice only: the verdict stands)
+        report.diagnoses[p.name] = diagnose_failure(p, spec, nranks, reduce_avg, ref_flat,
+                                                    bound_flat, kept, seen, per_rank, labels,
+                                                    files)
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:

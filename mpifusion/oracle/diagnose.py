@@ -1,0 +1,479 @@
+"""Why a param fails: the likely bug behind a failing param's outputs, in one line.
+
+Six common bugs (a sum where a mean was wanted, one rank's contribution lost, the mean over
+3 of 4 ranks, averaged twice, values shifted by 64 elements, a reduction done in bf16) all
+fail as "N element(s) beyond the bound"; :func:`diagnose` tells them apart, so the report
+says what went wrong. Pure numpy and no MPI, like the rest of the oracle.
+
+Method, per wrong output rank (a rank whose output fails):
+
+1. NaN/Inf where the reference is finite, or the reverse: ``nonfinite``;
+2. a least-squares fit ``out ~ sum_j w_j x_j`` over the ``nranks * acc_steps``
+   contributions (rank, micro-step) on up to 4096 elements (the failing ranks pooled when
+   a piece is too small to fit alone), the weights snapped to ``v * m_j`` with one common
+   value ``v`` and small multiplicities ``m_j`` (0, 1, 2, 3), ``v`` to a simple fraction of
+   the expected weight; the snapped model is then checked on every compared element within
+   the bound of that model, and classified: every expected weight times one factor
+   (``scale``), some 0 (``missing``, whatever the divisor), some doubled (``duplicate``),
+   the rank's own contributions alone (``local_only``);
+3. else the reduced flat buffer shifted by an offset, within the param or from its
+   neighbours (``shift``: candidate offsets from matching distinctive output values
+   against the buffer's sorted values, then checked on every element);
+4. else another param's reduced gradient of the same size (``swap``);
+5. else within the worst-case bound of the same reduction done in fp16 or bf16
+   (``precision``; of the two, the one whose simulated rounding error is the closer in
+   size to the observed one);
+6. else ``unexplained``, with the error statistics.
+
+A kind is claimed only when its model explains the output within a bound; the verdict is
+never touched (``check`` calls this for failing params only, and only records the result).
+The contract (:class:`Diagnosis`, :class:`ParamCase`) and the element-wise models (shift,
+swap, precision) are in ``diagnosis.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..dtypes import dtype_name
+from ..plan.grouping import grad_dtype_for
+from .bound import ReferenceSum, error_bound
+from .diagnosis import (FIELDS, KINDS, Diagnosis, ParamCase, RankOutput, ReducedBuffer, column,
+                        expected_weights, explains, find_precision, find_shift, find_swap,
+                        fmt_factor, model, names_of, simple_fraction)
+from .dumps import read_array
+
+#: elements the weights are fitted on (the model is then checked on every element)
+FIT_ELEMENTS = 4096
+
+__all__ = ["FIELDS", "KINDS", "Diagnosis", "ParamCase", "RankOutput", "diagnose",
+           "diagnose_failure", "references_from_dumps"]
+
+
+def _group(case: ParamCase, js: Sequence[int]) -> tuple:
+    """``(from_ranks, steps, words)`` of contributions ``js``: whole ranks, whole micro-steps
+    or the pairs themselves."""
+    acc = case.acc_steps
+    pairs = sorted((int(j) // acc, int(j) % acc) for j in js)
+    ranks = sorted({r for r, _ in pairs})
+    steps = sorted({k for _, k in pairs})
+    product = len(pairs) == len(ranks) * len(steps)
+    if product and len(steps) == acc:
+        words = f"{names_of(ranks, 'rank')}" + (" (every micro-step)" if acc > 1 else "")
+    elif product and len(ranks) == case.nranks:
+        words = f"{names_of(steps, 'micro-step')} on every rank"
+    elif product:
+        words = f"{names_of(ranks, 'rank')}, {names_of(steps, 'micro-step')}"
+    else:
+        words = "(rank, micro-step) " + ", ".join(f"({r}, {k})" for r, k in pairs)
+    return ranks, steps, words
+
+
+# --------------------------------------------------------------------------- the weight fit
+
+
+def _fit_rows(case: ParamCase, ro: RankOutput, rng: np.random.Generator,
+              limit: int) -> tuple:
+    """``(A, b)``: up to ``limit`` sampled elements of the rank's output (finite ones) as
+    rows over the contributions."""
+    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected))
+    if ok.size > limit:
+        ok = np.sort(rng.choice(ok, limit, replace=False))
+    a = np.empty((ok.size, case.n))
+    for j in range(case.n):
+        a[:, j] = column(case, j, ro.begin, ro.end)[ok]
+    return a, ro.out[ok]
+
+
+def _snap(w: np.ndarray) -> Optional[np.ndarray]:
+    """Multiplicities ``m`` (0..3) with ``w ~ v * m`` for one common ``v``, or None."""
+    top = float(np.max(np.abs(w))) if w.size else 0.0
+    if top == 0 or not math.isfinite(top):
+        return None
+    big = np.abs(w) > 0.3 * top
+    v = float(w[big][np.argmin(np.abs(w[big]))])
+    q = w / v
+    m = np.rint(q)
+    if np.max(np.abs(q - m)) > 0.05 or m.min() < 0 or m.max() > 3:
+        return None
+    return m
+
+
+def _fit(case: ParamCase, rows: List[tuple]) -> Optional[tuple]:
+    """``(m, v)``: the snapped weight model of the pooled rows, or None."""
+    a = np.vstack([r[0] for r in rows])
+    b = np.concatenate([r[1] for r in rows])
+    if a.shape[0] < case.n or not np.any(b):
+        return None
+    # normal equations: an N x N solve (N <= a few dozen contributions), far cheaper than
+    # lstsq's SVD of the rows; lstsq where they are singular (equal inputs)
+    gram = a.T @ a
+    try:
+        w = np.linalg.solve(gram, a.T @ b)
+        if not np.all(np.isfinite(w)) or np.linalg.cond(gram) > 1e10:
+            raise np.linalg.LinAlgError
+    except np.linalg.LinAlgError:
+        w, *_ = np.linalg.lstsq(a, b, rcond=None)
+    m = _snap(w)
+    if m is None:
+        return None
+    am = a @ m
+    den = float(am @ am)
+    if den == 0:
+        return None
+    return m, float(am @ b) / den
+
+
+def _classify(case: ParamCase, rank: int, ro: RankOutput, m: np.ndarray, v: float,
+              alone: bool) -> Optional[Diagnosis]:
+    """The kind of the (verified) weights ``v * m``; ``alone``: fitted to this rank only
+    (a model several ranks share is never one rank's own gradient)."""
+    e = expected_weights(case, rank, ro)
+    support = e != 0
+    c = float(e[support][0])
+    factor = v / c
+    n, acc = case.nranks, case.acc_steps
+    own = np.zeros(case.n, dtype=bool)
+    own[rank * acc:(rank + 1) * acc] = True
+    if np.all(m[support] == 1) and not np.any(m[~support]):
+        if abs(factor - 1) < 1e-9:
+            return None  # the expected weights: the error is elsewhere (precision, ...)
+        return _scale(case, [rank], factor, ro.own)
+    if (alone and not ro.own and n > 1 and np.array_equal(m > 0, own) and np.all(m[own] == 1)
+            and _local(case, v)):
+        scaled = {1.0: "", 1.0 / n: " times 1/nranks"}.get(round(v, 12), f" times {fmt_factor(v)}")
+        return Diagnosis("local_only", f"the output is the rank's own accumulated gradient"
+                         f"{scaled}, not the reduction over {n} ranks (the collective was "
+                         f"skipped, ran on a copy, or its result was not written back)",
+                         [rank])
+    if np.any(m[~support]):
+        return None  # contributions a rank's own output should not hold
+    absent = np.flatnonzero(support & (m == 0))
+    doubled = np.flatnonzero(support & (m >= 2))
+    if absent.size:
+        ranks, steps, words = _group(case, absent)
+        present = int(np.count_nonzero(m[support]))
+        summed = f"{present} of {int(support.sum())} contributions summed"
+        if case.average and not ro.own and v:
+            div = 1.0 / v
+            why = (" = nranks" if abs(div - n) < 1e-9 else
+                   ", the ranks present: a mean over those that arrived"
+                   if abs(div * acc - present) < 1e-6 else "")
+            summed += f", divided by {fmt_factor(div)}{why}"
+        elif abs(factor - 1) > 1e-9:
+            summed += f", times {fmt_factor(factor)}"
+        if doubled.size:
+            summed += f"; also counted twice: {_group(case, doubled)[2]}"
+        whole_steps = len(ranks) == n and len(ranks) * len(steps) == absent.size
+        cause = ("a micro-step's gradient overwritten instead of accumulated (the buffer "
+                 "zeroed between micro-steps, or the hook registered late)" if whole_steps
+                 else "a rank left out of the collective (a wrong group, count or offset)"
+                 if len(steps) == acc else "contributions lost on the way")
+        return Diagnosis("missing", f"the contributions of {words} are missing ({summed}): "
+                         f"{cause}", [rank], from_ranks=ranks, steps=steps)
+    if doubled.size:
+        ranks, steps, words = _group(case, doubled)
+        extra = "" if abs(factor - 1) < 1e-9 else f"; every contribution times {fmt_factor(factor)}"
+        return Diagnosis("duplicate", f"the contributions of {words} are counted more than "
+                         f"once{extra}: a gradient accumulated twice (a hook run twice, a "
+                         f"buffer reduced twice, a stale buffer not zeroed)", [rank],
+                         from_ranks=ranks, steps=steps)
+    return None
+
+
+def _scale(case: ParamCase, ranks: list, factor: float, own: bool) -> Diagnosis:
+    n, acc = case.nranks, case.acc_steps
+    f = float(factor)
+    frac = simple_fraction(f, max(64, 2 * case.n))
+    f = float(frac) if frac is not None else f
+    if n > 1 and abs(f - n) < 1e-9:
+        why = ("kept the unscaled own gradient off the root where Paddle's rule scales it "
+               "by 1/n (check --reduce-avg if the collective averaged)" if own else
+               "summed where a mean was expected (a missing 1/n)")
+        text = f"every element is the reference times {n} = nranks: {why}"
+    elif n > 1 and abs(f - 1.0 / n) < 1e-12:
+        why = ("scaled by 1/n off the root although the collective averaged "
+               "(use_reduce_avg: drop --reduce-avg?)" if own else
+               "averaged twice (divided by nranks once more, e.g. a mean collective and a "
+               "1/n scale both)")
+        text = f"every element is the reference times 1/{n} = 1/nranks: {why}"
+    elif acc > 1 and abs(f - 1.0 / acc) < 1e-12:
+        text = (f"every element is the reference times 1/{acc} = 1/acc_steps: the "
+                f"accumulated gradient averaged over micro-steps (or scaled by the loss "
+                f"twice)")
+    elif acc > 1 and abs(f - acc) < 1e-12:
+        text = f"every element is the reference times {acc} = acc_steps"
+    elif f == -1:
+        text = "every element is the reference negated (a sign flipped)"
+    elif f == 0:
+        text = "every element is 0: the output was never written (zeroed buffer)"
+    else:
+        text = f"every element is the reference times {fmt_factor(f)}"
+    return Diagnosis("scale", text, list(ranks), factor=f)
+
+
+def _value(case: ParamCase, ranks: list, unit: Callable[[int], np.ndarray]) -> Optional[tuple]:
+    """``(v, elements)``: the one value with ``out ~ v * model(unit(rank))`` on every rank
+    (least squares), or None."""
+    num = den = 0.0
+    count = 0
+    for r in ranks:
+        ro = case.outputs[r]
+        base, _ = model(case, ro, unit(r))
+        ok = np.isfinite(ro.out)
+        num += float(base[ok] @ ro.out[ok])
+        den += float(base[ok] @ base[ok])
+        count += int(ok.sum())
+    return (num / den, count) if den > 0 else None
+
+
+def _simple_value(case: ParamCase, v: float, c: float, count: int) -> Optional[float]:
+    """``v`` snapped to ``c`` times a simple fraction; an odd value is kept only where more
+    than one element backs it (any value fits one element)."""
+    frac = simple_fraction(v / c, max(64, 2 * case.n))
+    if frac is not None:
+        return c * float(frac)
+    return v if count >= 2 else None
+
+
+def _own_mask(case: ParamCase, rank: int) -> np.ndarray:
+    own = np.zeros(case.n)
+    own[rank * case.acc_steps:(rank + 1) * case.acc_steps] = 1.0
+    return own
+
+
+def _jointly(case: ParamCase, ranks: list, rows: dict) -> Dict[int, Diagnosis]:
+    """One weight model for all ``ranks`` (the usual case: the same bug on every rank, and
+    the only way to fit pieces too small to fit alone): a scale of the expected weights,
+    then the pooled least-squares fit. Returns the ranks it explains."""
+    def unit(r: int) -> np.ndarray:
+        e = expected_weights(case, r, case.outputs[r])
+        return e / e.max()
+
+    c = {r: float(expected_weights(case, r, case.outputs[r]).max()) for r in ranks}
+    one = ranks[0]
+    fit = _value(case, ranks, unit)
+    if fit is not None:
+        v = _simple_value(case, fit[0] * c[one], c[one], fit[1])
+        if v is not None and abs(v / c[one] - 1) > 1e-9 and all(
+                explains(case, case.outputs[r], unit(r) * v) for r in ranks):
+            return {r: _scale(case, [r], v / c[one], case.outputs[r].own) for r in ranks}
+    pooled = _fit(case, [rows[r] for r in ranks])
+    if pooled is None:
+        return {}
+    m, v = pooled
+    v = _fraction_of(case, v, c[one])
+    out = {}
+    for r in ranks:
+        ro = case.outputs[r]
+        if explains(case, ro, v * m):
+            d = _classify(case, r, ro, m, v, alone=len(ranks) == 1)
+            if d is not None:
+                out[r] = d
+    return out
+
+
+def _fraction_of(case: ParamCase, v: float, c: float) -> float:
+    frac = simple_fraction(v / c, max(64, 2 * case.n))
+    return c * float(frac) if frac is not None else v
+
+
+def _alone(case: ParamCase, rank: int, rows: dict) -> Optional[Diagnosis]:
+    """Models of one rank's output: its own accumulated gradient (``local_only``), a scale
+    of what was expected, the rank's own least-squares fit."""
+    ro = case.outputs[rank]
+    e = expected_weights(case, rank, ro)
+    c = float(e.max())
+    if not ro.own and case.nranks > 1:
+        fit = _value(case, [rank], lambda r: _own_mask(case, r))
+        if fit is not None:
+            v = _simple_value(case, fit[0], c, fit[1])
+            if v is not None and v != 0 and _local(case, v) and explains(
+                    case, ro, _own_mask(case, rank) * v):
+                return _classify(case, rank, ro, _own_mask(case, rank), v, alone=True)
+    fit = _value(case, [rank], lambda r: e / c)
+    if fit is not None:
+        v = _simple_value(case, fit[0] * c, c, fit[1])
+        if v is not None and abs(v / c - 1) > 1e-9 and explains(case, ro, e / c * v):
+            return _scale(case, [rank], v / c, ro.own)
+    if rows[rank][0].shape[0] >= 2 * case.n:
+        return _jointly(case, [rank], rows).get(rank)
+    return None
+
+
+def _local(case: ParamCase, v: float) -> bool:
+    """Whether own contributions times ``v`` read as a local-only result: at 2 ranks the
+    own gradient halved is as much the mean missing the other rank, and is called so."""
+    return case.nranks > 2 or abs(v - 1) < 1e-9
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def _nonfinite(case: ParamCase) -> Optional[Diagnosis]:
+    counts = {"nonfinite": 0, "mismatched": 0, "overflow": 0}
+    for r in case.failing:
+        s = case.outputs[r].stats if r in case.outputs else None
+        if s is None:
+            ro = case.outputs.get(r)
+            if ro is not None:
+                fin_o, fin_e = np.isfinite(ro.out), np.isfinite(ro.expected)
+                counts["nonfinite"] += int(np.count_nonzero(~fin_o & fin_e))
+                counts["mismatched"] += int(np.count_nonzero(fin_o & ~fin_e))
+            continue
+        for k in counts:
+            counts[k] += int(getattr(s, k, 0) or 0)
+    if not any(counts.values()):
+        return None
+    parts = []
+    if counts["nonfinite"]:
+        parts.append(f"{counts['nonfinite']} NaN/Inf output(s) where the reference is finite "
+                     f"(an overflow in a narrow dtype, a division by 0, or memory never "
+                     f"written)")
+    if counts["mismatched"]:
+        parts.append(f"{counts['mismatched']} element(s) where the reference is Inf/NaN (Inf/"
+                     f"NaN in the inputs) but the output is not the same")
+    if counts["overflow"]:
+        parts.append(f"{counts['overflow']} element(s) whose float64 reference overflows "
+                     f"(finite inputs too large to check)")
+    return Diagnosis("nonfinite", "; ".join(parts), list(case.failing))
+
+
+def _unexplained(case: ParamCase) -> Diagnosis:
+    worst, where = 0.0, None
+    for r in case.failing:
+        ro = case.outputs.get(r)
+        if ro is None:
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.abs(ro.out - ro.expected) / ro.bound
+        ratio = ratio[np.isfinite(ratio)]
+        beyond = int(np.count_nonzero(ratio > 1))
+        if ratio.size and float(ratio.max()) >= worst:
+            worst, where = float(ratio.max()), (r, beyond, ro.out.size)
+    stat = (f": on rank {where[0]}, {where[1]} of {where[2]} element(s) beyond the bound "
+            f"(worst {worst:.3g}x)" if where else "")
+    return Diagnosis("unexplained", f"no simple model fits (not a scale, a missing or "
+                     f"doubled contribution, a local-only result, a shift, a swap or a "
+                     f"narrower dtype){stat}", list(case.failing))
+
+
+def _merge(case: ParamCase, found: List[Diagnosis]) -> Diagnosis:
+    """One diagnosis for the param: the kind most wrong ranks share, naming the others."""
+    groups: Dict[tuple, List[Diagnosis]] = {}
+    for d in found:
+        groups.setdefault(d.key(), []).append(d)
+    ordered = sorted(groups.values(), key=lambda g: -sum(len(d.ranks) for d in g))
+    head = ordered[0][0]
+    ranks = sorted({r for d in found for r in d.ranks})
+    text = head.text
+    if len(ordered) > 1:
+        text += "; " + "; ".join(
+            f"{names_of(sorted({r for d in g for r in d.ranks}), 'rank')}: {g[0].kind}"
+            for g in ordered[1:])
+    else:
+        text += f" (wrong output on {names_of(ranks, 'rank')})"
+    return Diagnosis(head.kind, text, ranks, head.factor, head.from_ranks, head.steps,
+                     head.offset, head.with_, head.dtype)
+
+
+def diagnose(case: ParamCase) -> Diagnosis:
+    """The likely bug behind one failing param (see the module docstring for the method)."""
+    failing = [r for r in case.failing if r in case.outputs]
+    if not failing:
+        return Diagnosis("unexplained", "no output to diagnose", list(case.failing))
+    nonfinite = _nonfinite(case)
+    if nonfinite is not None:
+        return nonfinite
+    rng = np.random.default_rng(0)
+    share = max(FIT_ELEMENTS // len(failing), case.n * 4)
+    rows = {r: _fit_rows(case, case.outputs[r], rng, share) for r in failing}
+    regular = [r for r in failing if not case.outputs[r].own]
+    found = _jointly(case, regular, rows) if regular else {}
+    for r in failing:
+        if r not in found:
+            d = _alone(case, r, rows)
+            if d is not None:
+                found[r] = d
+    rest = [r for r in failing if r not in found]
+    result = list(found.values())
+    if rest:
+        d = None
+        if all(not case.outputs[r].own for r in rest):
+            # an all-zero output (scale 0) may be the same shift reading padding
+            zeros = [r for r, z in found.items() if z.kind == "scale" and z.factor == 0
+                     and not case.outputs[r].own]
+            buf = ReducedBuffer(case)
+            d = find_swap(case, rest) or (zeros and find_shift(case, buf, sorted(rest + zeros))
+                                      ) or find_shift(case, buf, rest)
+            if d is not None and d.kind == "shift" and set(d.ranks) > set(rest):
+                result = [x for r, x in found.items() if r not in d.ranks]
+        d = d or find_precision(case, rest) or _unexplained_for(case, rest)
+        result.append(d)
+    return _merge(case, result)
+
+
+def _unexplained_for(case: ParamCase, ranks: list) -> Diagnosis:
+    sub = ParamCase(**{**case.__dict__, "failing": ranks})
+    return _unexplained(sub)
+
+
+# --------------------------------------------------------------------------- from check
+
+
+def references_from_dumps(spec: Any, nranks: int, labels: list,
+                          files: list) -> Callable[[str], tuple]:
+    """``reference_of(name) -> (reference, bound)`` (flat float64) of any fused param,
+    recomputed from the dumps' inputs when asked (``shift`` and ``swap`` candidates)."""
+    params = {p.name: p for p in spec.fused_params()}
+
+    def reference_of(name: str) -> tuple:
+        p = params[name]
+        grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
+        total = ReferenceSum()
+        for lab, f in zip(labels, files):
+            for k in range(spec.acc_steps):
+                x = read_array(f, lab, f"in/{name}/{k}", p.shape, p.dtype, missing_ok=True)
+                total.add(np.zeros(p.shape) if x is None else x)
+        ref = total.total / nranks if spec.average else total.total
+        bound = error_bound(total.absolute, grad_dtype=grad_dtype, nranks=nranks,
+                            acc_steps=spec.acc_steps, average=spec.average)
+        return ref.reshape(-1), bound.reshape(-1)
+
+    return reference_of
+
+
+def diagnose_failure(p: Any, spec: Any, nranks: int, reduce_avg: bool, reference: np.ndarray,
+                     bound: np.ndarray, inputs: list, seen: dict, per_rank: dict,
+                     labels: list, files: list) -> Diagnosis:
+    """The diagnosis ``check`` records for a failing param, from what it has at hand:
+    ``inputs[rank][k]``, ``seen[rank] = (out, expected, bound, offset)`` of each output it
+    compared, ``per_rank`` its ErrorStats. Never raises: a diagnosis that cannot be made is
+    ``unexplained`` (the verdict does not depend on it)."""
+    failing = sorted(r for r, s in per_rank.items() if not s.ok)
+    try:
+        grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
+        outputs = {}
+        for rank, (out, want, tol, offset) in seen.items():
+            out = np.asarray(out, dtype=np.float64).reshape(-1)
+            outputs[rank] = RankOutput(
+                out, int(offset), int(offset) + out.size,
+                np.asarray(want, dtype=np.float64).reshape(-1),
+                np.asarray(tol, dtype=np.float64).reshape(-1),
+                own=spec.act == "reduce" and rank != spec.dst, stats=per_rank.get(rank))
+        layout = next((buf.layout for buf in spec.plan(nranks)
+                       if any(q.name == p.name for q in buf.params)), None)
+        case = ParamCase(
+            p.name, grad_dtype, nranks, spec.acc_steps, spec.act, bool(spec.average),
+            [[np.asarray(x, dtype=np.float64).reshape(-1) for x in xs] for xs in inputs],
+            outputs, failing, np.asarray(reference, dtype=np.float64).reshape(-1),
+            np.asarray(bound, dtype=np.float64).reshape(-1), dst=spec.dst,
+            reduce_avg=reduce_avg, layout=layout,
+            others={q.name: q.numel for q in spec.fused_params()},
+            reference_of=references_from_dumps(spec, nranks, labels, files))
+        return diagnose(case)
+    except Exception as exc:  # the diagnosis is advice: never a reason for check to fail
+        return Diagnosis("unexplained", f"no diagnosis ({type(exc).__name__}: {exc})",
+                         failing)

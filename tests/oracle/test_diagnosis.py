@@ -1,0 +1,398 @@
+"""The diagnosis of a failing param (``report.diagnoses``, JSON ``params[i]["diagnosis"]``,
+the ``diagnosis:`` line): every kind, built the way the bug computes it, for the three
+actions (``reduce_scatter`` both cut by Paddle and by ``range/``), 2-8 ranks and 1-4
+micro-steps; a PASS has none, and the diagnosis never changes the verdict.
+
+The buggy outputs are fp32 reductions (per-rank accumulation, the sum over ranks in rank
+order, the scale) of random inputs, so the fit sees ordinary rounding, not exact values.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mpifusion.oracle import check
+from mpifusion.oracle.diagnose import KINDS, Diagnosis
+from mpifusion.spec import Spec
+
+from tests.helpers import run_cmd
+
+CHECK_MODULE = sys.modules["mpifusion.oracle.check"]
+#: "a" and "c" share a size (swap); "b" sits between them in the buffer (shift)
+SHAPES = {"a": (24, 12), "b": (50,), "c": (24, 12)}
+ACTS = ["all_reduce", "reduce", "rs_paddle", "rs_range"]
+#: (nranks, acc_steps): every rank count 2, 3, 4, 8 and every acc_steps 1-4
+SIZES = [(2, 1), (3, 4), (4, 2), (8, 3)]
+DST = 1
+SHIFT = 64
+
+
+def _spec(nranks, acc, act, average=True):
+    return {"params": [{"name": n, "shape": list(s), "dtype": "float32"}
+                       for n, s in SHAPES.items()],
+            "act": "reduce_scatter" if act.startswith("rs_") else act, "nranks": nranks,
+            "acc_steps": acc, "average": average, "dst": DST}
+
+
+def _grads(nranks, acc, seed):
+    rng = np.random.default_rng(seed)
+    return [{n: [rng.standard_normal(s).astype(np.float32).reshape(-1) for _ in range(acc)]
+             for n, s in SHAPES.items()} for _ in range(nranks)]
+
+
+def _reduce(grads, name, mult, scale, dtype=np.float32):
+    """The reduction a bug computes: contribution (r, k) added ``mult[r][k]`` times, per-rank
+    accumulation then the sum over ranks in rank order, in ``dtype``, then ``* scale``."""
+    total = None
+    for r, g in enumerate(grads):
+        local = None
+        for k, x in enumerate(g[name]):
+            for _ in range(int(mult[r][k])):
+                x_d = x.astype(dtype)
+                local = x_d if local is None else (local + x_d).astype(dtype)
+        if local is not None:
+            total = local if total is None else (total + local).astype(dtype)
+    if scale != 1:
+        total = (total * np.asarray(scale).astype(dtype)).astype(dtype)
+    return total.astype(np.float32)
+
+
+def _ones(nranks, acc, value=1):
+    return [[value] * acc for _ in range(nranks)]
+
+
+def _layout(spec):
+    return {p.name: buf.layout for buf in Spec.from_dict(spec).plan() for p in buf.params}
+
+
+def _dumps(spec, grads, act, full, own=None):
+    """Per-rank records: ``full[rank][name]`` is what the rank's output derives from (the
+    whole result), cut as the action cuts it; ``own[rank][name]`` overrides a non-root
+    ``reduce`` rank (default: Paddle's rule, its own sum times 1/n)."""
+    nranks, acc = spec["nranks"], spec["acc_steps"]
+    lay = _layout(spec)
+    dumps = []
+    for r in range(nranks):
+        d = {f"in/{n}/{k}": grads[r][n][k].reshape(SHAPES[n]) for n in SHAPES
+             for k in range(acc)}
+        for n, shape in SHAPES.items():
+            res = full[r][n]  # may run on past the param (the buffer's padding and more)
+            numel = int(np.prod(shape))
+            if act == "all_reduce" or (act == "reduce" and r == DST):
+                d[f"out/{n}"] = res[:numel].reshape(shape)
+            elif act == "reduce":
+                d[f"out/{n}"] = (own[r][n] if own else _reduce(
+                    grads[r:r + 1], n, _ones(1, acc), 1 / nranks)).reshape(shape)
+            elif act == "rs_range":
+                chunk = -(-numel // nranks)
+                b, e = min(r * chunk, numel), min((r + 1) * chunk, numel)
+                d[f"range/{n}"] = np.array([b, e], dtype=np.int64)
+                d[f"out/{n}"] = res[b:e].copy()
+            else:  # Paddle's cut: the rank's slice of the padded slot
+                piece = lay[n].slice_of(n, r)
+                if piece:
+                    lo, hi = piece[0] - lay[n][n].offset, piece[1] - lay[n][n].offset
+                    padded = np.concatenate([res, np.zeros(max(hi - res.size, 0), np.float32)])
+                    d[f"out/{n}"] = padded[lo:hi].copy()
+        dumps.append(d)
+    return dumps
+
+
+def _output_ranks(spec, act, name):
+    """The ranks whose output of ``name`` holds the reduction (all but the non-roots of
+    reduce; for reduce_scatter, those holding a piece)."""
+    if act == "reduce":
+        return [DST]
+    numel = int(np.prod(SHAPES[name]))
+    return [r for r in range(spec["nranks"]) if act == "all_reduce" or
+            _holds(spec, act, r, name, 0, numel)]
+
+
+def _exact_grads(spec, nranks, acc, seed):
+    """``exact_inputs``: every partial sum exact, each value telling its contribution."""
+    from mpifusion.oracle.inputs import exact_inputs
+
+    per = [[exact_inputs(spec, r, k, seed=seed) for k in range(acc)] for r in range(nranks)]
+    return [{n: [per[r][k][n].reshape(-1) for k in range(acc)] for n in SHAPES}
+            for r in range(nranks)]
+
+
+def _case(kind, act, nranks, acc, seed=0, exact=False):
+    """(spec, dumps, expected {name: (ranks, fields)}) of one bug."""
+    spec = _spec(nranks, acc, act)
+    grads = _exact_grads(spec, nranks, acc, seed) if exact else _grads(nranks, acc, seed)
+    n = nranks
+    good = {q: _reduce(grads, q, _ones(n, acc), 1 / n) for q in SHAPES}
+    full = [dict(good) for _ in range(n)]
+    own = None
+    reducing = {q: _output_ranks(spec, act, q) for q in SHAPES}
+    names = list(SHAPES)
+    expect = {}
+    if kind == "scale_sum":  # the 1/n forgotten everywhere (off the root too)
+        full = [{q: _reduce(grads, q, _ones(n, acc), 1) for q in SHAPES}] * n
+        own = [{q: _reduce(grads[r:r + 1], q, _ones(1, acc), 1) for q in SHAPES}
+               for r in range(n)]
+        expect = {q: (list(range(n)) if act == "reduce" else reducing[q],
+                      {"factor": float(n)}) for q in names}
+    elif kind == "scale_twice":
+        full = [{q: _reduce(grads, q, _ones(n, acc), 1 / n / n) for q in SHAPES}] * n
+        expect = {q: (reducing[q], {"factor": 1 / n}) for q in names}
+    elif kind in ("missing_rank", "missing_mean"):  # rank n-1 skipped; divisor n or n-1
+        mult = _ones(n, acc)
+        mult[-1] = [0] * acc
+        div = n if kind == "missing_rank" else n - 1
+        full = [{q: _reduce(grads, q, mult, 1 / div) for q in SHAPES}] * n
+        expect = {q: (reducing[q], {"from_ranks": [n - 1], "steps": list(range(acc))})
+                  for q in names}
+        if div == 1:  # the mean over rank 0 alone: where rank 0 alone holds it, local-only
+            expect.update({q: ([0], {}) for q in names if reducing[q] == [0]})
+    elif kind == "missing_step":  # step 0 overwritten on every rank (or rank 0's only)
+        mult = _ones(n, acc)
+        if acc > 1:
+            for r in range(n):
+                mult[r][0] = 0
+            fields = {"from_ranks": list(range(n)), "steps": [0]}
+        else:
+            mult[0][0] = 0
+            fields = {"from_ranks": [0], "steps": [0]}
+        full = [{q: _reduce(grads, q, mult, 1 / n) for q in SHAPES}] * n
+        expect = {q: (reducing[q], fields) for q in names}
+    elif kind == "duplicate":  # rank 0's last micro-step added twice
+        mult = _ones(n, acc)
+        mult[0][-1] = 2
+        full = [{q: _reduce(grads, q, mult, 1 / n) for q in SHAPES}] * n
+        expect = {q: (reducing[q], {"from_ranks": [0], "steps": [acc - 1]}) for q in names}
+    elif kind == "local_only":  # no reduction: each rank keeps its own sum
+        full = [{q: _reduce(grads[r:r + 1], q, _ones(1, acc), 1) for q in SHAPES}
+                for r in range(n)]
+        expect = {q: (reducing[q], {}) for q in names}
+    elif kind == "shift":  # the flat buffer copied out SHIFT elements late
+        lay = _layout(spec)["a"]
+        buf = np.zeros(lay.numel + SHIFT, np.float32)
+        for s in lay.slots:
+            buf[s.offset:s.end] = good[s.name]
+        full = [{s.name: buf[s.offset + SHIFT:s.padded_end + SHIFT].copy()
+                 for s in lay.slots}] * n
+        if act == "rs_paddle":  # a piece of padding alone may now hold a neighbour's values
+            right = _dumps(spec, grads, act, [good] * n)
+            wrong = _dumps(spec, grads, act, full)
+            reducing = {q: [r for r in range(n) if f"out/{q}" in right[r] and not
+                            np.array_equal(right[r][f"out/{q}"], wrong[r][f"out/{q}"])]
+                        for q in names}
+        expect = {q: (reducing[q], {"offset": SHIFT}) for q in names}
+        if act == "rs_range":  # b's shifted window lies in its slot's padding: zeros
+            expect["b"] = (reducing["b"], {"factor": 0.0})
+    elif kind == "swap":
+        full = [{**good, "a": good["c"], "c": good["a"]}] * n
+        expect = {"a": (reducing["a"], {"with": "c"}), "c": (reducing["c"], {"with": "a"})}
+    elif kind == "precision":  # the whole reduction in bf16
+        bf = {q: _reduce(grads, q, _ones(n, acc), 1 / n, ml_dtypes.bfloat16) for q in SHAPES}
+        full = [bf] * n
+        expect = {q: (reducing[q], {"dtype": "bfloat16"}) for q in names}
+    elif kind == "nonfinite":
+        bad = dict(good)
+        bad["b"] = good["b"].copy()
+        bad["b"][[0, 1, 2]] = [np.nan, np.inf, -np.inf]
+        full = [bad] * n
+        holders = [r for r in reducing["b"] if act not in ("rs_paddle", "rs_range") or
+                   _holds(spec, act, r, "b", 0, 3)]
+        expect = {"b": (holders, {})}
+    elif kind == "unexplained":
+        rng = np.random.default_rng(seed + 7)
+        bad = dict(good)
+        bad["b"] = good["b"].copy()  # a few elements far off, the rest right
+        far = rng.choice(50, 5, replace=False)
+        bad["b"][far] = bad["b"][far] * np.float32(-3) + np.float32(1)
+        full = [bad] * n
+        holders = [r for r in reducing["b"] if act not in ("rs_paddle", "rs_range") or
+                   any(_holds(spec, act, r, "b", i, i + 1) for i in far)]
+        expect = {"b": (holders, {})}
+    return spec, _dumps(spec, grads, act, full, own), expect
+
+
+def _holds(spec, act, rank, name, lo, hi):
+    """Whether the rank's piece of ``name`` overlaps elements [lo, hi)."""
+    numel = int(np.prod(SHAPES[name]))
+    if act == "rs_range":
+        chunk = -(-numel // spec["nranks"])
+        b, e = min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+    else:
+        lay = _layout(spec)[name]
+        piece = lay.slice_of(name, rank)
+        if not piece:
+            return False
+        b, e = piece[0] - lay[name].offset, piece[1] - lay[name].offset
+    return b < hi and lo < e
+
+
+BUGS = ["scale_sum", "scale_twice", "missing_rank", "missing_mean", "missing_step",
+        "duplicate", "local_only", "shift", "swap", "precision", "nonfinite", "unexplained"]
+KIND_OF = {"scale_sum": "scale", "scale_twice": "scale", "missing_rank": "missing",
+           "missing_mean": "missing", "missing_step": "missing"}
+
+
+@pytest.mark.parametrize("nranks,acc", SIZES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bug", BUGS)
+def test_every_kind_is_named_with_its_fields(bug, act, nranks, acc):
+    _assert_diagnosed(bug, act, nranks, acc, exact=False)
+
+
+EXACT = [pytest.param(bug, act, *SIZES[i % len(SIZES)], id=f"{bug}-{act}")
+         for i, (bug, act) in enumerate((b, a) for b in BUGS for a in ACTS)]
+
+
+@pytest.mark.parametrize("bug,act,nranks,acc", EXACT)
+def test_exact_inputs_are_diagnosed_exactly(bug, act, nranks, acc):
+    """With ``exact_inputs`` (each value a distinct power of two per contribution) the same
+    bugs get the same kinds and fields; the check holds the result to the exact reference
+    where it can (``exact=True``)."""
+    _assert_diagnosed(bug, act, nranks, acc, exact=True)
+
+
+def _assert_diagnosed(bug, act, nranks, acc, exact):
+    spec, dumps, expect = _case(bug, act, nranks, acc, seed=nranks * 10 + acc, exact=exact)
+    exact_check = exact and "exact" in inspect.signature(check).parameters
+    report = check(spec, dumps, exact=True) if exact_check else check(spec, dumps)
+    assert not report.ok
+    assert sorted(report.failing) == sorted(expect), str(report)
+    assert set(report.diagnoses) == set(expect)
+    for name, (ranks, fields) in expect.items():
+        d = report.diagnoses[name]
+        kind = ("scale" if "factor" in fields else KIND_OF.get(bug, bug) if fields or
+                bug in ("local_only", "nonfinite", "unexplained") else "local_only")
+        assert d.kind == kind, (name, d, str(report))
+        assert d.ranks == sorted(ranks) == report.wrong_ranks(name), (name, d)
+        doc = d.to_json()
+        for key, value in fields.items():
+            got = doc[key]
+            assert (got == pytest.approx(value) if isinstance(value, float) else
+                    got == value), (name, key, doc)
+        assert set(doc) == {"kind", "text", "ranks", *fields}, doc
+        assert "\n" not in d.text and d.text
+
+
+def test_the_usual_causes_are_in_the_text():
+    texts = {}
+    for bug in ("scale_sum", "scale_twice", "missing_mean"):
+        spec, dumps, _ = _case(bug, "all_reduce", 4, 2)
+        texts[bug] = check(spec, dumps).diagnoses["a"].text
+    assert "nranks: summed where a mean was expected" in texts["scale_sum"]
+    assert "averaged twice" in texts["scale_twice"]
+    assert "divided by 3" in texts["missing_mean"] and "rank 3" in texts["missing_mean"]
+
+
+def test_json_round_trip_and_report_lines():
+    spec, dumps, _ = _case("missing_rank", "all_reduce", 4, 2)
+    report = check(spec, dumps)
+    doc = json.loads(json.dumps(report.to_json()))
+    assert doc["verdict"] == "FAIL"
+    by_name = {p["name"]: p for p in doc["params"]}
+    for name, entry in by_name.items():
+        d = entry["diagnosis"]
+        assert d == {"kind": "missing", "text": d["text"], "ranks": [0, 1, 2, 3],
+                     "from_ranks": [3], "steps": [0, 1]}
+        assert Diagnosis.from_json(d) == report.diagnoses[name]
+    lines = [ln for ln in report.lines() if ln.startswith("diagnosis:")]
+    assert lines and lines[0].startswith("diagnosis: a: missing: the contributions of rank 3")
+    assert len(lines) == 3
+
+
+def test_a_pass_has_no_diagnosis():
+    spec, dumps, _ = _case("scale_sum", "all_reduce", 3, 2)
+    grads = _grads(3, 2, 0)
+    good = {q: _reduce(grads, q, _ones(3, 2), 1 / 3) for q in SHAPES}
+    report = check(spec, _dumps(spec, grads, "all_reduce", [good] * 3))
+    assert report.ok and not report.diagnoses
+    assert all("diagnosis" not in p for p in report.to_json()["params"])
+    assert not any(ln.startswith("diagnosis:") for ln in report.lines())
+
+
+def test_only_the_wrong_rank_is_named():
+    """all_reduce where rank 2 alone skipped the sync: local_only, ranks [2]."""
+    spec, dumps, _ = _case("scale_sum", "all_reduce", 4, 1)
+    grads = _grads(4, 1, 0)
+    good = {q: _reduce(grads, q, _ones(4, 1), 1 / 4) for q in SHAPES}
+    full = [good] * 4
+    full[2] = {q: _reduce(grads[2:3], q, _ones(1, 1), 1) for q in SHAPES}
+    report = check(spec, _dumps(spec, grads, "all_reduce", full))
+    d = report.diagnoses["a"]
+    assert (d.kind, d.ranks) == ("local_only", [2])
+
+
+def test_the_cli_prints_the_diagnosis(tmp_path):
+    spec, dumps, _ = _case("scale_sum", "all_reduce", 2, 1)
+    for r, d in enumerate(dumps):
+        np.savez(tmp_path / f"rank{r}.npz", **d)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = run_cmd([sys.executable, "-m", "mpifusion", "check", "--spec",
+                    str(tmp_path / "spec.json"), str(tmp_path)], timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "diagnosis: a: scale: every element is the reference times 2 = nranks" in proc.stdout
+    proc = run_cmd([sys.executable, "-m", "mpifusion", "check", "--json", "--spec",
+                    str(tmp_path / "spec.json"), str(tmp_path)], timeout=120)
+    doc = json.loads(proc.stdout)
+    assert doc["params"][0]["diagnosis"]["factor"] == 2.0
+
+
+def test_kinds_listed():
+    assert set(KINDS) == {"scale", "missing", "duplicate", "local_only", "shift", "swap",
+                          "precision", "nonfinite", "unexplained"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nranks=st.integers(2, 5), acc=st.integers(1, 3), act=st.sampled_from(ACTS),
+       seed=st.integers(0, 2 ** 16), noise=st.sampled_from([0.0, 1e-8, 1e-7, 3e-7, 1e-6, 1e-3]),
+       factor=st.sampled_from([1.0, 1.0 + 1e-7, 1.0 + 1e-6, 0.5, 2.0]),
+       bug=st.sampled_from([None] * 4 + BUGS))
+def test_the_diagnosis_never_changes_the_verdict(nranks, acc, act, seed, noise, factor, bug):
+    """Results near the bound (relative noise of the order of the fp32 bound) and far from
+    it: the verdict, the failing params and every rank's statistics are those of a check
+    without the diagnosis, and exactly the failing params get one."""
+    spec = _spec(nranks, acc, act)
+    grads = _grads(nranks, acc, seed)
+    rng = np.random.default_rng(seed)
+    full = []
+    for _ in range(nranks):
+        out = {}
+        for q in SHAPES:
+            x = _reduce(grads, q, _ones(nranks, acc), 1 / nranks).astype(np.float64) * factor
+            x *= 1 + noise * rng.standard_normal(x.size)
+            out[q] = x.astype(np.float32)
+        full.append(out)
+    dumps = _dumps(spec, grads, act, full)
+    if bug is not None:  # one of the bugs above instead
+        spec, dumps, _ = _case(bug, act, nranks, acc, seed=seed)
+    report = check(spec, dumps)
+    bare, called = _without_diagnosis(spec, dumps)
+    assert report.ok == bare.ok and report.failing == bare.failing
+    assert report.failing_ranks == bare.failing_ranks
+    failing = [s.name for s in report.stats if not s.ok]
+    assert called == failing and sorted(report.diagnoses) == sorted(failing)
+    assert {n: {r: (s.compared, s.max_ratio, s.ok) for r, s in per.items()}
+            for n, per in report.rank_stats.items()} == \
+        {n: {r: (s.compared, s.max_ratio, s.ok) for r, s in per.items()}
+         for n, per in bare.rank_stats.items()}
+    assert report.to_json()["verdict"] == bare.to_json()["verdict"]
+
+
+def _without_diagnosis(spec, dumps):
+    """The check with the diagnosis stubbed out, and the params it was asked about."""
+    called = []
+    saved = CHECK_MODULE.diagnose_failure
+
+    def stub(p, *args, **kwargs):
+        called.append(p.name)
+        return Diagnosis("unexplained", "-", [])
+
+    CHECK_MODULE.diagnose_failure = stub
+    try:
+        return check(spec, dumps), called
+    finally:
+        CHECK_MODULE.diagnose_failure = saved
