@@ -28,7 +28,7 @@ from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
-from .diagnose import diagnose_failure
+from .inputs import ExactInputCheck, exact_formula, exact_tolerance
 from .exact import ExactSum, exact_sum
 from .report import CheckReport, CoverageIssue, SyncStats
 
@@ -207,7 +207,8 @@ class _PaddleSlices:
 # --------------------------------------------------------------------------- check
 
 
-def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckReport:
+def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False,
+          exact: bool = False) -> CheckReport:
     """Check another implementation's dump against the float64 reference recomputed from its
     own inputs, and its param all-gather bit-exact.
 
@@ -217,6 +218,8 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
     which returns a :class:`~.steps.StepsReport`).
     ``reduce_avg``: the implementation averaged inside the collective (Paddle's
     ``use_reduce_avg``), so non-root ranks of ``reduce`` keep their unscaled local sum.
+    ``exact``: the inputs are exact in every order (:func:`~.inputs.exact_inputs`; refused
+    otherwise), so the result must match bit for bit (a non-power-of-two mean: its rounding).
     Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank and key);
     a mismatch does not raise: see ``report.ok`` and ``report.raise_for_failure()``.
     """
@@ -224,16 +227,19 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False) -> CheckRepo
 
     if not isinstance(reduce_avg, (bool, np.bool_)):
         raise DumpError(f"reduce_avg: expected True or False, got {reduce_avg!r}")
+    if not isinstance(exact, (bool, np.bool_)):
+        raise DumpError(f"exact: expected True or False, got {exact!r}")
     from .steps import check_steps, is_steps_dir
 
     if is_steps_dir(dumps):  # step{k}/ folders (cap.step(k)): each step, naming the failing one
-        return check_steps(spec, dumps, reduce_avg=reduce_avg)  # type: ignore[return-value]
+        return check_steps(spec, dumps, reduce_avg=reduce_avg,  # type: ignore[return-value]
+                           exact=exact)
     spec = as_spec(spec)
     labels, files, source = _open_dumps(dumps, spec.nranks)
     try:
         if spec.nranks is None:  # a list of records: one rank each
             spec = dataclasses.replace(spec, nranks=len(files))
-        return _check(spec, len(files), labels, files, source, bool(reduce_avg))
+        return _check(spec, len(files), labels, files, source, bool(reduce_avg), bool(exact))
     finally:
         for f in files:
             f.close()
@@ -245,7 +251,7 @@ def check_dump(spec: Any, directory: str) -> CheckReport:
 
 
 def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
-           reduce_avg: bool) -> CheckReport:
+           reduce_avg: bool, exact: bool = False) -> CheckReport:
     act, acc = spec.act, spec.acc_steps
     keys = [set(f.files) for f in files]
     has_inputs = any(k.startswith("in/") for ks in keys for k in ks)
@@ -260,7 +266,7 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
                         "false): nothing to check")
     _check_aliasing(labels, files)
     slices = _PaddleSlices(spec, nranks)
-    report = CheckReport([], {}, spec=spec, source=source, reduce_avg=reduce_avg)
+    report = CheckReport([], {}, spec=spec, source=source, reduce_avg=reduce_avg, exact=exact)
     for p in fused:
         ranges = [_read_range(f, lab, f"range/{p.name}", p.numel) for f, lab in zip(files, labels)]
         if has_inputs:
@@ -304,10 +310,6 @@ def _check_representable(x: np.ndarray, grad_dtype: str, where: str) -> None:
                         f"the grad dtype of the spec (first at flat index {i}: "
                         f"{float(x.reshape(-1)[i])!r}); expected the grads the implementation "
                         f"received, recorded in that dtype")
-
-
-#: elements per ErrorStats.update: its float64 temporaries stay a few MiB, not the param's
-_COMPARE_CHUNK = 1 << 20
 
 
 def _read_grad(f: Any, lab: str, key: str, p: Any, grad_dtype: str) -> np.ndarray:
@@ -435,7 +437,10 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                  labels: list, files: list, ranges: list, slices: _PaddleSlices,
                  reduce_avg: bool) -> None:
     grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
-    if grad_dtype not in report.bounds:
+    if report.exact:  # exact inputs: no rounding bound, no note on its coarseness
+        report.bounds[grad_dtype] = exact_formula(grad_dtype, nranks=nranks,
+                                                  average=spec.average, prescaled=not reduce_avg)
+    elif grad_dtype not in report.bounds:
         model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
                             average=spec.average, exact_reference=True)
         report.bounds[grad_dtype] = model.formula
@@ -450,6 +455,8 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     glob = ExactSum()  # every rank's inputs, in the grad dtype: summed exactly below
     digests = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
     kept: list = []  # per rank, its inputs per micro-step: for the diagnosis of a failure
+    exact_in = (ExactInputCheck(p.name, p.numel, grad_dtype, nranks, spec.average)
+                if report.exact else None)  # are the inputs exact in every order?
     for lab, f in zip(labels, files):
         digest = hashlib.blake2b(digest_size=16)
         kept.append([])
@@ -457,11 +464,15 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             x = _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
             digest.update(np.ascontiguousarray(x).tobytes())
             glob.add(x)
+            if exact_in is not None:
+                exact_in.add(x, f"{lab}: in/{p.name}/{k}")
             kept[-1].append(x)
         digests.append(digest.digest())
     # the exact sum (mean) rounded once to the grad dtype; its rounding goes into the bound
     exact = glob.result(grad_dtype, nranks if spec.average else 1)
     ref, absolute, overflow = exact.value, exact.absolute, exact.overflow
+    if exact_in is not None:
+        exact_in.verify(absolute)
     if p.numel and not np.any(absolute):
         report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
                             f"reduction passes too")
@@ -474,16 +485,18 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             + "; inputs recorded after a reduction (a hook ahead of the capture's) look the "
               "same, and then any reduction passes")
         report.weak.append(f"{p.name}: every rank fed the same inputs")
-    bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
-                        average=spec.average, ref_error=exact.error)
-    absolute = exact = None  # type: ignore[assignment]  # only ref, overflow, bound from here
+    if report.exact:  # 0, or the rounding of a mean over a non-power-of-two rank count
+        bound = exact_tolerance(ref, absolute, grad_dtype=grad_dtype, nranks=nranks,
+                                average=spec.average, prescaled=not reduce_avg) + exact.error
+    else:
+        bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
+                            average=spec.average, ref_error=exact.error)
     stats = ErrorStats(p.name)
     per_rank: dict = {}
     ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
     key = f"out/{p.name}"
     use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
     pieces: dict = {}
-    seen: dict = {}  # rank -> (out, expected, bound, offset): for the diagnosis of a failure
     if use_ranges:
         for lab, f, rng in zip(labels, files, ranges):
             if rng is None and key in f:
@@ -495,30 +508,30 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     def fold(rank: int, out: np.ndarray, want: np.ndarray, tol: np.ndarray,
              over: np.ndarray, offset: int = 0) -> None:
         rs = ErrorStats(p.name)
-        seen[rank] = (out, want, tol, offset)
-        for lo in range(0, out.size, _COMPARE_CHUNK):  # chunks: bounded temporaries
-            hi = lo + _COMPARE_CHUNK
-            rs.update(out[lo:hi], want[lo:hi], tol[lo:hi], rank, overflow=over[lo:hi],
-                      offset=offset + lo)
+        rs.update(out, want, tol, rank, overflow=over, offset=offset)
         if rs.compared:
             per_rank[rank] = rs
             stats.merge(rs)
 
     for rank, (lab, f) in enumerate(zip(labels, files)):
         if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
-            out = read_array(f, lab, key, p.shape, p.dtype, native=True)
+            out = read_array(f, lab, key, p.shape, p.dtype)
             fold(rank, out.reshape(-1), ref_flat, bound_flat, overflow)
         elif act == "reduce":
             # Paddle's rule off the root: the rank keeps its own accumulated grads, scaled by
             # 1/n like the whole buffer unless the collective averaged (use_reduce_avg)
-            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True, native=True)
+            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True)
             if out is None:
                 continue
             scaled = spec.average and not reduce_avg
             c = 1.0 / nranks if scaled else 1.0
             own = exact_sum(kept[rank], grad_dtype, nranks if scaled else 1)
-            tol = error_bound(own.absolute * c, grad_dtype=grad_dtype, nranks=1,
-                              acc_steps=acc, average=scaled, ref_error=own.error)
+            if report.exact:  # its own exact sum, times 1/n: one product's rounding
+                tol = exact_tolerance(own.value, own.absolute, grad_dtype=grad_dtype,
+                                      nranks=nranks, average=scaled, prescaled=False) + own.error
+            else:
+                tol = error_bound(own.absolute * c, grad_dtype=grad_dtype, nranks=1,
+                                  acc_steps=acc, average=scaled, ref_error=own.error)
             fold(rank, out.reshape(-1), own.value, tol.reshape(-1), own.overflow)
         elif use_ranges:
             rng = ranges[rank]
@@ -526,16 +539,14 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                 continue
             begin, end = rng
             pieces[rank] = rng
-            out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end,
-                             native=True)
+            out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end)
             if out is not None and end > begin:
                 fold(rank, out, ref_flat[begin:end], bound_flat[begin:end],
                      overflow[begin:end], begin)
         else:  # reduce_scatter, Paddle's cut: a slice of the padded slot (padding must be 0)
             piece = slices.piece(p.name, rank)
             lo, hi = piece if piece else (0, 0)
-            out = read_array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece,
-                             native=True)
+            out = read_array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece)
             if out is None or not piece:
                 continue
             pad = max(hi - p.numel, 0)
@@ -547,10 +558,6 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
         report.coverage.extend(_coverage(p.name, "out", pieces, p.numel))
     report.stats.append(stats)
     report.rank_stats[p.name] = per_rank
-    if not stats.ok:  # what most likely went wrong (advice only: the verdict stands)
-        report.diagnoses[p.name] = diagnose_failure(p, spec, nranks, reduce_avg, ref_flat,
-                                                    bound_flat, kept, seen, per_rank, labels,
-                                                    files)
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scale-after-comm", action="store_true",
                      help="scale by 1/n after the collective instead of before")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--inputs", choices=("random", "exact"), default="random",
+                     help="random gradients checked against the error bound (default), or "
+                     "mpifusion.oracle.exact_inputs, whose sums are exact in every order: the "
+                     "result must be bit-exact (a mean over a non-power-of-two rank count: "
+                     "within its rounding)")
     run.add_argument("--strategy", choices=STRATEGIES,
                      help="how the Communicator runs collectives (default: "
                      "$MPIFUSION_COMM_STRATEGY, else the library default)")
@@ -111,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--reduce-avg", action="store_true",
                      help="the implementation averaged in the collective (use_reduce_avg): "
                      "non-root ranks of reduce keep their unscaled local sum")
+    chk.add_argument("--exact", action="store_true",
+                     help="the inputs are exact in every order (mpifusion.oracle.exact_inputs): "
+                     "demand the result bit for bit (a mean over a non-power-of-two rank "
+                     "count: within its rounding); other inputs are refused (exit 2)")
 
     inf = sub.add_parser("info", help="MPI library, thread level, CUDA-awareness, versions")
     inf.add_argument("--json", action="store_true", help="print as JSON")
@@ -261,7 +270,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return error("run", problem)
     options = RunOptions(steps=args.steps, seed=args.seed, release_grads=args.release_grads,
                          reduce_avg=args.reduce_avg, scale_after_comm=args.scale_after_comm,
-                         progress=not args.no_progress, comm_options=comm_options)
+                         progress=not args.no_progress, inputs=args.inputs,
+                         comm_options=comm_options)
     try:
         return run_job(spec, options, comm, source=args.spec or f"preset {args.preset or 'tiny'}")
     except MemoryError:  # past the estimate checked before building: one line, then abort
@@ -292,7 +302,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             plot_file = plot_path(args.plot)
         except PlotError as exc:
             raise UsageError(f"--plot: {exc}") from None
-    report = check(args.spec, args.dir, reduce_avg=args.reduce_avg)
+    report = check(args.spec, args.dir, reduce_avg=args.reduce_avg, exact=args.exact)
     if plot_file is not None:
         steps = getattr(report, "steps", None)  # a step{k}/ directory: plot the failing step
         shown = report if steps is None else report.report(
