@@ -60,3 +60,68 @@ def test_verdict_params_and_ranks(observed, case):
     assert obs.verdict == row.verdict, obs
     assert obs.failing == list(row.failing), obs
     assert obs.ranks == list(row.ranks), obs
+
+
+def _padding_offsets(out, case: str) -> dict:
+    """param -> the shift the packed read-back makes: minus the padding before it in the
+    spec's plan (Paddle's layout)."""
+    from mpifusion.spec import load_spec
+
+    shifts = {}
+    for planned in load_spec(out / case / "spec.json").plan(cf.NRANKS):
+        packed = 0
+        for slot in planned.layout.slots:
+            shifts[slot.name] = packed - slot.offset
+            packed += slot.numel
+    return shifts
+
+
+def _expect_kind(row: cf.Case, name: str, diag: dict, outputs) -> None:
+    assert diag, f"{row.case}: {name}: no diagnosis in the report"
+    assert diag["kind"] == row.kind, (name, diag)
+    assert diag["ranks"] == list(row.ranks), (name, diag)
+    for key, want in row.fields.items():
+        if key == "offset":
+            want = _padding_offsets(outputs(row.peer), row.case)[name]
+        elif key == "with":
+            want = want[name]
+        if isinstance(want, float):
+            assert diag[key] == pytest.approx(want, rel=1e-6), (name, diag)
+        else:
+            assert diag[key] == want, (name, diag)
+
+
+@pytest.mark.parametrize("case", BUGS)
+def test_diagnosis_kind(observed, outputs, case):
+    """Each failing param's diagnosis: the right kind, the wrong ranks and the key field
+    (factor, from_ranks and steps, offset, with, dtype); the known gaps are the next test."""
+    row, obs = cf.BY_NAME[case], observed(case)
+    for name in obs.failing:
+        if name not in row.gaps:
+            _expect_kind(row, name, obs.diagnosis[name], outputs)
+
+
+GAPS = [pytest.param(c.case, id=c.case, marks=pytest.mark.xfail(
+    strict=True, reason="; ".join(sorted(set(c.gaps.values())))))
+    for c in cf.MATRIX if c.gaps]
+
+
+@pytest.mark.parametrize("case", GAPS)
+def test_diagnosis_known_gaps(observed, outputs, case):
+    """The params whose diagnosis is known to miss the right kind (conformance.py says why);
+    strict: once the diagnosis gets them right this fails, and the gap is removed."""
+    row, obs = cf.BY_NAME[case], observed(case)
+    for name in row.gaps:
+        _expect_kind(row, name, obs.diagnosis[name], outputs)
+
+
+def test_readme_table_is_the_observed_matrix(observed):
+    """README's conformance table is what this run observed (regenerate it with
+    ``python -m tests.oracle.conformance --write``)."""
+    from pathlib import Path
+
+    table = cf.render({c.case: observed(c.case) for c in cf.MATRIX})
+    readme = (Path(cf.README)).read_text(encoding="utf-8")
+    assert cf.readme_table(readme) == table, (
+        f"README.md's table differs from the observed matrix; run python -m "
+        f"tests.oracle.conformance --write. Observed:\n{table}")
