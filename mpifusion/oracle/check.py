@@ -28,6 +28,7 @@ from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
+from .diagnose import diagnose_failure
 from .inputs import ExactInputCheck, exact_formula, exact_tolerance
 from .exact import ExactSum, exact_sum
 from .report import CheckReport, CoverageIssue, SyncStats
@@ -312,6 +313,10 @@ def _check_representable(x: np.ndarray, grad_dtype: str, where: str) -> None:
                         f"received, recorded in that dtype")
 
 
+#: elements per ErrorStats.update: its float64 temporaries stay a few MiB, not the param's
+_COMPARE_CHUNK = 1 << 20
+
+
 def _read_grad(f: Any, lab: str, key: str, p: Any, grad_dtype: str) -> np.ndarray:
     """An input as a flat array of its grad dtype (zeros where a frozen param has none):
     kept in that dtype, not float64, since every rank's inputs of a param are held at once
@@ -491,12 +496,14 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     else:
         bound = error_bound(absolute, grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc,
                             average=spec.average, ref_error=exact.error)
+    absolute = exact = None  # type: ignore[assignment]  # only ref, overflow, bound from here
     stats = ErrorStats(p.name)
     per_rank: dict = {}
     ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
     key = f"out/{p.name}"
     use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
     pieces: dict = {}
+    seen: dict = {}  # rank -> (out, expected, bound, offset): for the diagnosis of a failure
     if use_ranges:
         for lab, f, rng in zip(labels, files, ranges):
             if rng is None and key in f:
@@ -508,19 +515,23 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     def fold(rank: int, out: np.ndarray, want: np.ndarray, tol: np.ndarray,
              over: np.ndarray, offset: int = 0) -> None:
         rs = ErrorStats(p.name)
-        rs.update(out, want, tol, rank, overflow=over, offset=offset)
+        seen[rank] = (out, want, tol, offset)
+        for lo in range(0, out.size, _COMPARE_CHUNK):  # chunks: bounded temporaries
+            hi = lo + _COMPARE_CHUNK
+            rs.update(out[lo:hi], want[lo:hi], tol[lo:hi], rank, overflow=over[lo:hi],
+                      offset=offset + lo)
         if rs.compared:
             per_rank[rank] = rs
             stats.merge(rs)
 
     for rank, (lab, f) in enumerate(zip(labels, files)):
         if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
-            out = read_array(f, lab, key, p.shape, p.dtype)
+            out = read_array(f, lab, key, p.shape, p.dtype, native=True)
             fold(rank, out.reshape(-1), ref_flat, bound_flat, overflow)
         elif act == "reduce":
             # Paddle's rule off the root: the rank keeps its own accumulated grads, scaled by
             # 1/n like the whole buffer unless the collective averaged (use_reduce_avg)
-            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True)
+            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True, native=True)
             if out is None:
                 continue
             scaled = spec.average and not reduce_avg
@@ -539,14 +550,16 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                 continue
             begin, end = rng
             pieces[rank] = rng
-            out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end)
+            out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end,
+                             native=True)
             if out is not None and end > begin:
                 fold(rank, out, ref_flat[begin:end], bound_flat[begin:end],
                      overflow[begin:end], begin)
         else:  # reduce_scatter, Paddle's cut: a slice of the padded slot (padding must be 0)
             piece = slices.piece(p.name, rank)
             lo, hi = piece if piece else (0, 0)
-            out = read_array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece)
+            out = read_array(f, lab, key, (hi - lo,), p.dtype, missing_ok=not piece,
+                             native=True)
             if out is None or not piece:
                 continue
             pad = max(hi - p.numel, 0)
@@ -558,6 +571,10 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
         report.coverage.extend(_coverage(p.name, "out", pieces, p.numel))
     report.stats.append(stats)
     report.rank_stats[p.name] = per_rank
+    if not stats.ok:  # what most likely went wrong (advice only: the verdict stands)
+        report.diagnoses[p.name] = diagnose_failure(p, spec, nranks, reduce_avg, ref_flat,
+                                                    bound_flat, kept, seen, per_rank, labels,
+                                                    files)
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
