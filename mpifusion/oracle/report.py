@@ -313,5 +313,5 @@ def enforce_strength(report: Any, allow_weak: bool = False) -> Any:
         raise WeakCheckError(weak_message(report), report)
     for why in dict.fromkeys(report.coarse):
         warnings.warn(OracleWarning(f"mpifusion oracle: {why}: a result missing one rank's or "
-                                    f"one micro-step's gradient may pass"), stacklevel=3)
+                                    f"one micro-step's gradient may pass"), stacklevel=4)
     return report

@@ -203,6 +203,17 @@ def test_no_reduction_on_the_same_data_is_a_weak_check(tmp_path, capsys):
                                             "1 params within the bound")
 
 
+def test_the_same_inputs_to_a_sum_are_not_weak():
+    """A sum shows a missing reduction whatever the inputs: each rank's x is not 2x."""
+    spec, records = same_data()
+    spec["average"] = False
+    report = check(spec, records)
+    assert not report.ok and report.weak == []
+    for rec in records:
+        rec["out/w"] = 2 * rec["in/w/0"]
+    assert assert_matches_reference(spec, records).ok
+
+
 def test_zero_inputs_are_weak_and_a_mismatch_still_fails_first():
     spec, records = same_data(np.zeros((3, 5), np.float32))
     assert check(spec, records).weak == ["w: every input is 0"]
@@ -223,8 +234,9 @@ def test_a_bound_coarser_than_one_input_warns():
             "act": "all_reduce", "nranks": 2, "acc_steps": k, "average": True}
     records = [{**{f"in/w/{s}": x[r, s] for s in range(k)}, "out/w": out} for r in range(2)]
     with pytest.warns(OracleWarning, match=r"bfloat16 grads: the bound .* is coarser than one "
-                      r"of the 32 inputs .* may pass"):
+                      r"of the 32 inputs .* may pass") as caught:
         report = assert_matches_reference(spec, records)
+    assert caught[0].filename == __file__  # pointed at the caller's line
     assert report.coarse and not report.weak
 
 
