@@ -49,6 +49,8 @@ MIN_SHIFT = 6
 #: fp32): gradient-like magnitudes, far from subnormals and overflow
 _E_RANGE = (-24, 8)
 _MASK64 = (1 << 64) - 1
+#: elements generated at a time (a few tens of MiB of temporaries)
+CHUNK = 1 << 20
 
 
 def _spec_of(spec: Any) -> Any:
@@ -137,33 +139,41 @@ class ExactPattern:
         start = (np.arange(lo, hi, dtype=np.int64) % n) * self.held % n
         return exps, a, b, signs, start
 
-    def _terms(self, lo: int, hi: int):
-        """For each held position t: ``(t, index j, value)`` arrays over the elements."""
-        exps, a, b, signs, start = self._structure(lo, hi)
-        n = self.contributions
-        for t in range(self.held):
-            slot = (b + a * t) % self.width
-            neg = ((signs >> np.uint64(t)) & np.uint64(1)).astype(bool)
-            value = np.ldexp(np.where(neg, -1.0, 1.0), exps + slot)
-            yield t, (start + t) % n, value
+    def _chunks(self, lo: int, hi: int):
+        """``(lo, hi)`` pieces of at most CHUNK elements: bounded temporaries."""
+        for start in range(lo, hi, CHUNK):
+            yield start, min(start + CHUNK, hi)
 
     def contribution(self, j: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
         """Contribution ``j``'s float64 values over elements ``[lo, hi)`` (flat)."""
         j = _int(j, "contribution", 0, self.contributions)
         lo, hi = self._span(lo, hi)
         out = np.zeros(hi - lo)
-        for _t, index, value in self._terms(lo, hi):
-            mine = index == j
-            out[mine] = value[mine]
+        for clo, chi in self._chunks(lo, hi):
+            exps, a, b, signs, start = self._structure(clo, chi)
+            t = (j - start) % self.contributions  # its position among the element's held
+            held = t < self.held
+            t = np.where(held, t, 0)
+            neg = ((signs >> t.astype(np.uint64)) & np.uint64(1)).astype(bool)
+            value = np.ldexp(np.where(neg, -1.0, 1.0), exps + (b + a * t) % self.width)
+            out[clo - lo:chi - lo] = np.where(held, value, 0.0)
         return out
 
     def total(self, lo: int = 0, hi: Optional[int] = None) -> tuple:
         """``(sum, sum|x|)`` over every contribution, float64 and exact, elements ``[lo, hi)``."""
         lo, hi = self._span(lo, hi)
-        total, absolute = np.zeros(hi - lo), np.zeros(hi - lo)
-        for _t, _index, value in self._terms(lo, hi):
-            total += value
-            absolute += np.abs(value)
+        total, absolute = np.empty(hi - lo), np.empty(hi - lo)
+        for clo, chi in self._chunks(lo, hi):
+            exps, a, b, signs, _start = self._structure(clo, chi)
+            units = np.zeros(chi - clo, dtype=np.int64)  # in quanta 2**E_i: below 2**W
+            every = np.zeros(chi - clo, dtype=np.int64)
+            for t in range(self.held):
+                bit = np.int64(1) << ((b + a * t) % self.width)
+                neg = ((signs >> np.uint64(t)) & np.uint64(1)).astype(bool)
+                units += np.where(neg, -bit, bit)
+                every += bit
+            total[clo - lo:chi - lo] = np.ldexp(units.astype(np.float64), exps)
+            absolute[clo - lo:chi - lo] = np.ldexp(every.astype(np.float64), exps)
         return total, absolute
 
     def decode(self, output: Any, *, divisor: int = 1, offset: int = 0) -> "Contributions":
