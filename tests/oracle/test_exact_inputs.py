@@ -28,9 +28,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpifusion.errors import OptionError
-from mpifusion.oracle import (check, decode_contributions, exact_inputs, exact_pattern,
-                              exact_sum, exact_tolerance)
+from mpifusion.errors import OptionError, OracleMismatch
+from mpifusion.oracle import (assert_matches_reference, check, decode_contributions,
+                              exact_inputs, exact_pattern, exact_sum, exact_tolerance)
 from mpifusion.oracle.dumps import DumpError
 from mpifusion.spec import Spec
 
@@ -243,6 +243,7 @@ def _reduce(terms, g, rng, nseg):
     return out
 
 
+@np.errstate(over="ignore", invalid="ignore")  # a narrower dtype may overflow: a FAIL
 def simulate(spec, xs, *, seed=0, prescale=None, reduce_avg=False, narrow=None, edit=None):
     """What a correct implementation dumps (one dict per rank), reducing in random orders
     and segments; ``prescale`` (default: random) scales each rank by fl(1/n) before the
@@ -344,6 +345,19 @@ def test_one_wrong_contribution_fails_however_small(dtype, main_grad, fault, nra
     report = check(spec, recs, exact=True, reduce_avg=reduce_avg)
     assert not report.ok and report.failing == ["w"], str(report)
     assert report.stats[0].first_failure.startswith(f"element {i}")
+
+
+def test_assert_matches_reference_takes_exact():
+    spec = _spec(2, 2, "float16", act="reduce_scatter")
+    xs = _all_inputs(spec, seed=9)
+    report = assert_matches_reference(spec, simulate(spec, xs, seed=9), exact=True)
+    assert report.exact and report.ok
+
+    def edit(name, r, k, x):
+        return x * 0 if (name, r, k) == ("b", 0, 1) else x
+
+    with pytest.raises(OracleMismatch, match="param.* do not match the reference"):
+        assert_matches_reference(spec, simulate(spec, xs, seed=9, edit=edit), exact=True)
 
 
 def test_a_moved_output_element_fails():
