@@ -180,7 +180,18 @@ class TorchCapture(Recorder):
                                f"it records as the local grad; create the capture before "
                                f"registering them (DDP and FSDP are fine either way)")
         self._hooked[id(t)] = weakref.ref(t)
-        self._handles.append(t.register_hook(lambda g, n=name: self._on_grad(n, g)))
+        # a weak reference: a hook holding the capture (which holds the params) made a
+        # reference cycle through every param, freed only by the cyclic GC, at worst at
+        # interpreter exit, after torch's own teardown (a spawned rank then aborted now and
+        # then: SIGABRT once in some 15 runs)
+        capture = weakref.ref(self)
+
+        def on_grad(g: Any, n: str = name) -> None:
+            owner = capture()
+            if owner is not None:
+                owner._on_grad(n, g)
+
+        self._handles.append(t.register_hook(on_grad))
 
     def _on_grad(self, name: str, grad: Any) -> None:
         self.add_input(name, to_numpy(grad))

@@ -114,3 +114,37 @@ def test_in_rank_check_fails_with_the_report_first(user_run):
     assert "Traceback" not in text and "ProcessRaisedException" not in text, text
     assert len(lines) < 40, text  # the report, not a child's traceback
     assert "FAIL: wrong on ranks [0, 1]" in text, text
+
+
+def test_a_capture_leaves_no_reference_cycle_through_the_params():
+    """The hooks hold the capture weakly: a cycle param -> hook -> capture -> param was freed
+    only by the cyclic GC, at worst at the spawned rank's interpreter exit, after torch's own
+    teardown, and the rank aborted now and then (SIGABRT)."""
+    import gc
+
+    torch = pytest.importorskip("torch")
+    from mpifusion.capture import TorchCapture
+
+    def step():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        cap = TorchCapture(model)
+        for _ in range(2):
+            model(torch.randn(2, 3)).sum().backward()
+        cap.record_outputs()
+        assert cap.acc_steps == 2 and sorted(cap.to_dict())[0] == "in/0.bias/0"
+
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found = [type(o).__name__ for o in gc.garbage
+                 if type(o).__name__ in ("TorchCapture", "Parameter")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    assert found == [], found
