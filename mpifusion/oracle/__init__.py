@@ -17,8 +17,8 @@ from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound
                     reduce_dtype, summed, unit_roundoff)
 from .check import as_spec, check, check_dump
 from .dumps import DumpError
-from .inputs import (Contributions, ExactPattern, decode_contributions, exact_inputs,
-                     exact_pattern, exact_sum, exact_tolerance)
+from .inputs import (Contributions, ExactPattern, decode_contributions, decode_inputs,
+                     exact_inputs, exact_pattern, exact_sum, exact_tolerance)
 from .report import CheckReport, CoverageIssue, SyncStats
 from .steps import StepsReport, check_steps
 
@@ -49,4 +49,4 @@ __all__ = ["BoundModel", "ErrorStats", "as_float64", "bound_model", "error_bound
            "assert_matches_reference", "plot_report", "DumpError", "OracleWarning",
            "WeakCheckError", "check_steps", "StepsReport", "exact_inputs", "exact_sum",
            "exact_pattern", "exact_tolerance", "decode_contributions", "Contributions",
-           "ExactPattern"]
+           "ExactPattern", "decode_inputs"]

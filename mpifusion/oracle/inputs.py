@@ -179,36 +179,10 @@ class ExactPattern:
     def decode(self, output: Any, *, divisor: int = 1, offset: int = 0) -> "Contributions":
         """Which contributions ``output`` (elements ``offset ..`` of the result, in any float
         dtype) holds: see :func:`decode_contributions`."""
-        out = np.asarray(output).astype(np.float64).reshape(-1)
+        out = np.asarray(output).reshape(-1)
         lo, hi = self._span(offset, offset + out.size)
-        exps, a, b, signs, start = self._structure(lo, hi)
-        n = self.contributions
-        with np.errstate(invalid="ignore", over="ignore"):
-            units = np.ldexp(out * divisor, -exps)  # the output in quanta 2**E_i
-            whole = np.rint(units)
-            valid = np.isfinite(units) & (np.abs(units - whole) <= 0.25)
-        whole = np.where(valid & (np.abs(whole) < 2.0 ** 62), whole, 0).astype(np.int64)
-        held = np.zeros((hi - lo, n), dtype=bool)
-        present = np.zeros((hi - lo, n), dtype=bool)
-        rows = np.arange(hi - lo)
-        slots, negs = [], []
-        shifted = whole.copy()
-        for t in range(self.held):
-            slot = (b + a * t) % self.width
-            neg = ((signs >> np.uint64(t)) & np.uint64(1)).astype(bool)
-            shifted += np.where(neg, np.int64(1) << slot, 0)  # U = V + sum of negative slots
-            slots.append(slot)
-            negs.append(neg)
-        used = np.zeros(hi - lo, dtype=np.int64)
-        for t, (slot, neg) in enumerate(zip(slots, negs)):
-            bit = ((shifted >> slot) & 1).astype(bool)
-            j = (start + t) % n
-            held[rows, j] = True
-            present[rows, j] = bit != neg  # a negative one's bit set means: left out
-            used |= np.int64(1) << slot
-        valid &= (shifted >= 0) & ((shifted & ~used) == 0)
-        present &= valid[:, None]
-        return Contributions(held, present, valid, self.acc_steps, lo)
+        terms = np.stack([self.contribution(j, lo, hi) for j in range(self.contributions)])
+        return decode_inputs(terms, out, divisor=divisor, acc_steps=self.acc_steps, offset=lo)
 
 
 @dataclass(frozen=True)
@@ -245,6 +219,44 @@ class Contributions:
         gone = self.held[i] & ~self.present[i]
         return (f"element {element}: holds {names(self.present[i]) or 'nothing'}"
                 + (f"; missing {names(gone)}" if gone.any() else ""))
+
+
+def decode_inputs(inputs: Any, output: Any, *, divisor: int = 1, acc_steps: int = 1,
+                  offset: int = 0) -> Contributions:
+    """Which of ``inputs`` each element of ``output`` holds, read from the inputs themselves
+    (no seed needed: the dumped ``in/`` arrays will do). ``inputs`` is ``N x n`` (row
+    ``j = rank * acc_steps + k``, flat elements), ``output`` the ``n`` results, ``divisor``
+    ``nranks`` for a mean. Where an element's nonzero inputs are distinct powers of two,
+    either sign (as :func:`exact_inputs` makes them), the output counted in the smallest
+    of them is a signed sum of distinct bits, one per input present; elements whose inputs
+    are not so, or whose output is no such sum, are not ``valid``."""
+    divisor = _int(divisor, "divisor", 1)
+    x = np.asarray(inputs, dtype=np.float64)
+    out = np.asarray(output).astype(np.float64).reshape(-1)
+    x = x.reshape(x.shape[0], -1)
+    if x.shape[1] != out.size:
+        raise OptionError(f"decode: {x.shape[1]} element(s) of inputs for {out.size} of output")
+    held = (x != 0) & np.isfinite(x)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = np.where(held, np.abs(x), np.inf).min(axis=0)
+        ratio = np.where(held, np.log2(np.abs(x) / q), 0.0)
+        slot = np.rint(ratio)
+        valid = (held.any(axis=0) & np.all(~held | ((ratio == slot) & (slot < 62)), axis=0)
+                 & np.all(np.isfinite(x), axis=0))
+        slot = np.where(held & valid, slot, 0).astype(np.int64)
+        bits = np.where(held & valid, np.int64(1) << slot, 0)
+        used = np.bitwise_or.reduce(bits, axis=0)
+        valid &= bits.sum(axis=0) == used  # distinct powers: no two inputs share a bit
+        units = out * divisor / np.where(valid, q, 1.0)
+        whole = np.rint(units)
+        valid &= np.isfinite(units) & (np.abs(units - whole) <= 0.25) & (np.abs(whole) < 2.0 ** 62)
+    whole = np.where(valid, whole, 0).astype(np.int64)
+    neg = held & (x < 0)
+    shifted = whole + np.where(neg, bits, 0).sum(axis=0)  # a negative one's bit: left out
+    present = held & ((((shifted >> slot) & 1) == 1) != neg)
+    valid &= (shifted >= 0) & ((shifted & ~used) == 0)
+    present &= valid
+    return Contributions(held.T, present.T, valid, acc_steps, offset)
 
 
 def _window(param_dtype: str, grad_dtype: str, nranks: int, name: str) -> tuple:

@@ -30,7 +30,8 @@ import pytest
 
 from mpifusion.errors import OptionError, OracleMismatch
 from mpifusion.oracle import (assert_matches_reference, check, decode_contributions,
-                              exact_inputs, exact_pattern, exact_sum, exact_tolerance)
+                              decode_inputs, exact_inputs, exact_pattern, exact_sum,
+                              exact_tolerance)
 from mpifusion.oracle.dumps import DumpError
 from mpifusion.spec import Spec
 
@@ -451,6 +452,26 @@ def test_decoding_names_the_contributions_an_output_holds(dtype, nranks, acc, av
     shard = decode_contributions(spec, "w", broken[0]["out/w"].reshape(-1)[10:20], seed=4,
                                  divisor=divisor, offset=10)
     assert np.array_equal(shard.present, got.present[10:20])
+
+
+def test_the_inputs_alone_decode_an_output():
+    """decode_inputs needs no seed: the dumped in/ arrays give the same answer."""
+    spec = _spec(3, 2, "bfloat16", average=False)
+    xs = _all_inputs(spec, seed=8)
+
+    def edit(name, r, k, x):
+        return x * 0 if (name, r, k) == ("w", 2, 0) else x
+
+    recs = simulate(spec, xs, seed=8, edit=edit)
+    terms = np.stack([recs[r][f"in/w/{k}"].astype(np.float64).reshape(-1)
+                      for r in range(3) for k in range(2)])
+    got = decode_inputs(terms, recs[0]["out/w"], acc_steps=2)
+    want = decode_contributions(spec, "w", recs[0]["out/w"], seed=8)
+    assert np.array_equal(got.present, want.present) and np.array_equal(got.held, want.held)
+    assert got.valid.all() and sorted({int(j) for _, j in got.missing()}) == [4]
+    rng = np.random.default_rng(0)
+    noisy = decode_inputs(rng.standard_normal(terms.shape), recs[0]["out/w"])
+    assert not noisy.valid.any()
 
 
 def test_a_doubled_contribution_does_not_decode_as_a_subset():
