@@ -33,6 +33,7 @@ swap, precision) are in ``diagnosis.py``.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -47,9 +48,17 @@ from .dumps import read_array
 
 #: elements the weights are fitted on (the model is then checked on every element)
 FIT_ELEMENTS = 4096
+#: other params' references kept while one param is diagnosed (shift and swap share them)
+REFERENCE_CACHE = 12
 
 __all__ = ["FIELDS", "KINDS", "Diagnosis", "ParamCase", "RankOutput", "diagnose",
            "diagnose_failure", "references_from_dumps"]
+
+
+def _simple(case: ParamCase, x: float) -> Optional[Fraction]:
+    """``x`` as a fraction a bug makes of the expected weight (nranks, 1/nranks, nranks/k,
+    2, ...): denominator and numerator within a few times the contributions."""
+    return simple_fraction(x, max(8, 2 * case.n), max(16, 4 * case.n))
 
 
 def _group(case: ParamCase, js: Sequence[int]) -> tuple:
@@ -78,7 +87,7 @@ def _fit_rows(case: ParamCase, ro: RankOutput, rng: np.random.Generator,
               limit: int) -> tuple:
     """``(A, b)``: up to ``limit`` sampled elements of the rank's output (finite ones) as
     rows over the contributions."""
-    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected))
+    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected) & ro.wrong)
     if ok.size > limit:
         ok = np.sort(rng.choice(ok, limit, replace=False))
     a = np.empty((ok.size, case.n))
@@ -186,7 +195,7 @@ def _classify(case: ParamCase, rank: int, ro: RankOutput, m: np.ndarray, v: floa
 def _scale(case: ParamCase, ranks: list, factor: float, own: bool) -> Diagnosis:
     n, acc = case.nranks, case.acc_steps
     f = float(factor)
-    frac = simple_fraction(f, max(64, 2 * case.n))
+    frac = _simple(case, f)
     f = float(frac) if frac is not None else f
     if n > 1 and abs(f - n) < 1e-9:
         why = ("kept the unscaled own gradient off the root where Paddle's rule scales it "
@@ -222,7 +231,7 @@ def _value(case: ParamCase, ranks: list, unit: Callable[[int], np.ndarray]) -> O
     for r in ranks:
         ro = case.outputs[r]
         base, _ = model(case, ro, unit(r))
-        ok = np.isfinite(ro.out)
+        ok = np.isfinite(ro.out) & ro.wrong
         num += float(base[ok] @ ro.out[ok])
         den += float(base[ok] @ base[ok])
         count += int(ok.sum())
@@ -232,7 +241,7 @@ def _value(case: ParamCase, ranks: list, unit: Callable[[int], np.ndarray]) -> O
 def _simple_value(case: ParamCase, v: float, c: float, count: int) -> Optional[float]:
     """``v`` snapped to ``c`` times a simple fraction; an odd value is kept only where more
     than one element backs it (any value fits one element)."""
-    frac = simple_fraction(v / c, max(64, 2 * case.n))
+    frac = _simple(case, v / c)
     if frac is not None:
         return c * float(frac)
     return v if count >= 2 else None
@@ -256,7 +265,7 @@ def _jointly(case: ParamCase, ranks: list, rows: dict) -> Dict[int, Diagnosis]:
     one = ranks[0]
     fit = _value(case, ranks, unit)
     if fit is not None:
-        v = _simple_value(case, fit[0] * c[one], c[one], fit[1])
+        v = _simple_value(case, fit[0], c[one], fit[1])
         if v is not None and abs(v / c[one] - 1) > 1e-9 and all(
                 explains(case, case.outputs[r], unit(r) * v) for r in ranks):
             return {r: _scale(case, [r], v / c[one], case.outputs[r].own) for r in ranks}
@@ -276,7 +285,7 @@ def _jointly(case: ParamCase, ranks: list, rows: dict) -> Dict[int, Diagnosis]:
 
 
 def _fraction_of(case: ParamCase, v: float, c: float) -> float:
-    frac = simple_fraction(v / c, max(64, 2 * case.n))
+    frac = _simple(case, v / c)
     return c * float(frac) if frac is not None else v
 
 
@@ -290,12 +299,12 @@ def _alone(case: ParamCase, rank: int, rows: dict) -> Optional[Diagnosis]:
         fit = _value(case, [rank], lambda r: _own_mask(case, r))
         if fit is not None:
             v = _simple_value(case, fit[0], c, fit[1])
-            if v is not None and v != 0 and _local(case, v) and explains(
+            if v is not None and v != 0 and explains(
                     case, ro, _own_mask(case, rank) * v):
                 return _classify(case, rank, ro, _own_mask(case, rank), v, alone=True)
     fit = _value(case, [rank], lambda r: e / c)
     if fit is not None:
-        v = _simple_value(case, fit[0] * c, c, fit[1])
+        v = _simple_value(case, fit[0], c, fit[1])
         if v is not None and abs(v / c - 1) > 1e-9 and explains(case, ro, e / c * v):
             return _scale(case, [rank], v / c, ro.own)
     if rows[rank][0].shape[0] >= 2 * case.n:
@@ -399,9 +408,17 @@ def diagnose(case: ParamCase) -> Diagnosis:
                 found[r] = d
     rest = [r for r in failing if r not in found]
     result = list(found.values())
+    wrong = sum(int(np.count_nonzero(case.outputs[r].wrong)) for r in found)
+    size = sum(case.outputs[r].out.size for r in found)
+    if found and wrong < size:  # the model explains the wrong elements; the rest are right
+        for d in result:
+            d.text += f"; in {wrong} of {size} elements, the rest right"
     if rest:
-        d = None
-        if all(not case.outputs[r].own for r in rest):
+        # precision first: it reads no other param (its rounding-size test keeps a swapped
+        # or shifted output out); then swap before shift (a param's whole slot shifted onto
+        # another's of its size is a swap)
+        d = find_precision(case, rest)
+        if d is None and all(not case.outputs[r].own for r in rest):
             # an all-zero output (scale 0) may be the same shift reading padding
             zeros = [r for r, z in found.items() if z.kind == "scale" and z.factor == 0
                      and not case.outputs[r].own]
@@ -410,8 +427,7 @@ def diagnose(case: ParamCase) -> Diagnosis:
                                       ) or find_shift(case, buf, rest)
             if d is not None and d.kind == "shift" and set(d.ranks) > set(rest):
                 result = [x for r, x in found.items() if r not in d.ranks]
-        d = d or find_precision(case, rest) or _unexplained_for(case, rest)
-        result.append(d)
+        result.append(d or _unexplained_for(case, rest))
     return _merge(case, result)
 
 
@@ -428,8 +444,16 @@ def references_from_dumps(spec: Any, nranks: int, labels: list,
     """``reference_of(name) -> (reference, bound)`` (flat float64) of any fused param,
     recomputed from the dumps' inputs when asked (``shift`` and ``swap`` candidates)."""
     params = {p.name: p for p in spec.fused_params()}
+    cache: Dict[str, tuple] = {}  # the last few asked (shift and swap ask for the same ones)
 
     def reference_of(name: str) -> tuple:
+        if name not in cache:
+            if len(cache) >= REFERENCE_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[name] = _reference(name)
+        return cache[name]
+
+    def _reference(name: str) -> tuple:
         p = params[name]
         grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
         total = ReferenceSum()
@@ -467,7 +491,7 @@ def diagnose_failure(p: Any, spec: Any, nranks: int, reduce_avg: bool, reference
                        if any(q.name == p.name for q in buf.params)), None)
         case = ParamCase(
             p.name, grad_dtype, nranks, spec.acc_steps, spec.act, bool(spec.average),
-            [[np.asarray(x, dtype=np.float64).reshape(-1) for x in xs] for xs in inputs],
+            [[np.asarray(x).reshape(-1) for x in xs] for xs in inputs],  # no float64 copy
             outputs, failing, np.asarray(reference, dtype=np.float64).reshape(-1),
             np.asarray(bound, dtype=np.float64).reshape(-1), dst=spec.dst,
             reduce_avg=reduce_avg, layout=layout,

@@ -26,6 +26,11 @@ FIELDS = {"scale": ("factor",), "missing": ("from_ranks", "steps"),
           "precision": ("dtype",)}
 #: narrower dtypes a reduction may have been done in, tried in this order
 NARROW_DTYPES = ("float16", "bfloat16")
+#: slots on each side of the param whose references a shift may read from
+NEIGHBOURS = 4
+#: params of the same size tried as a swap, nearest in the buffer first (each one's
+#: reference is recomputed from the dumps)
+SWAP_CANDIDATES = 16
 #: half the smallest subnormal spacing of each: a subnormal rounding's absolute error
 _UNDERFLOW = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}
 
@@ -85,12 +90,20 @@ class RankOutput:
     own: bool = False
     stats: Any = None  # the rank's ErrorStats, for nonfinite counts
 
+    @property
+    def wrong(self) -> np.ndarray:
+        """The elements beyond the bound (or not finite): the ones a model must explain
+        (the others are right whatever the bug)."""
+        with np.errstate(invalid="ignore"):
+            return ~(np.abs(self.out - self.expected) <= self.bound)
+
 
 @dataclass
 class ParamCase:
     """Everything :func:`diagnose` needs about one failing param: its sync (``act``, ...),
-    the inputs ``inputs[rank][k]`` (flat float64), the outputs per rank, the failing ranks,
-    the full reference and bound, and, for ``shift``/``swap``, the param's buffer ``layout``
+    the inputs ``inputs[rank][k]`` (flat, any float dtype), the outputs per rank, the
+    failing ranks, the full reference and bound, and, for ``shift``/``swap``, the param's
+    buffer ``layout``
     (a :class:`~mpifusion.plan.layout.FlatLayout`), the sizes of the other fused params
     (``others``: name -> numel) and ``reference_of(name) -> (reference, bound)`` (flat,
     computed on demand: a check streams params and keeps one reference at a time)."""
@@ -130,11 +143,14 @@ def names_of(items: Sequence[int], what: str) -> str:
     return f"{what}{'s' if len(items) != 1 else ''} {', '.join(map(str, items))}"
 
 
-def simple_fraction(x: float, max_den: int) -> Optional[Fraction]:
-    """``x`` as a simple fraction (denominator <= max_den) when it is one to 1e-3."""
+def simple_fraction(x: float, max_den: int, max_num: Optional[int] = None) -> Optional[Fraction]:
+    """``x`` as a simple fraction (denominator <= max_den, numerator <= max_num) when it is
+    one to 1e-3."""
     if not math.isfinite(x) or x == 0:
         return Fraction(0) if x == 0 else None
     f = Fraction(x).limit_denominator(max_den)
+    if max_num is not None and abs(f.numerator) > max_num:
+        return None
     return f if abs(float(f) - x) <= 1e-3 * abs(x) else None
 
 
@@ -148,7 +164,7 @@ def fmt_factor(f: float) -> str:
 def column(case: ParamCase, j: int, begin: int, end: int) -> np.ndarray:
     """Contribution ``j``'s values over ``[begin, end)`` (zeros past the param: padding)."""
     x = case.inputs[j // case.acc_steps][j % case.acc_steps]
-    seg = x[begin:min(end, x.size)]
+    seg = np.asarray(x[begin:min(end, x.size)], dtype=np.float64)  # inputs stay in their dtype
     if end > x.size:
         seg = np.concatenate([seg, np.zeros(end - max(begin, x.size))])
     return seg
@@ -180,12 +196,14 @@ def model_bound(case: ParamCase) -> tuple:
 
 def explains(case: ParamCase, ro: RankOutput, w: np.ndarray) -> bool:
     """Whether weights ``w`` explain the rank's output within the model's bound on every
-    compared element."""
+    element beyond the stated bound (a bug may touch part of a param only: gloo's reduce
+    leaves a partial sum in one chunk and the full sum in the next)."""
     value, mag = model(case, ro, w)
     rel, absolute = model_bound(case)
     tol = rel * mag + absolute + np.where(np.isfinite(ro.bound), ro.bound, 0)
+    wrong = ro.wrong
     with np.errstate(invalid="ignore", over="ignore"):
-        return bool(np.all(np.abs(ro.out - value) <= tol))
+        return bool(np.all(np.abs(ro.out - value)[wrong] <= tol[wrong]))
 
 
 def expected_weights(case: ParamCase, rank: int, ro: RankOutput) -> np.ndarray:
@@ -219,7 +237,7 @@ class ReducedBuffer:
             return
         order = [s.name for s in lay.slots]
         i = order.index(case.name)
-        near = lay.slots[max(i - 2, 0):i + 3]
+        near = lay.slots[max(i - NEIGHBOURS, 0):i + NEIGHBOURS + 1]
         self.start = near[0].offset
         size = near[-1].padded_end - self.start
         self.values, self.tol = np.zeros(size), np.zeros(size)
@@ -252,7 +270,8 @@ def candidate_offsets(out: np.ndarray, pos: np.ndarray, values: np.ndarray) -> l
             d = int(src) - int(pos[i])
             if d:
                 votes[d] = votes.get(d, 0) + 1
-    return [d for d, c in sorted(votes.items(), key=lambda kv: -kv[1]) if c >= 3][:4]
+    need = min(3, probe.size)  # a 2-element param has 2 values to match
+    return [d for d, c in sorted(votes.items(), key=lambda kv: -kv[1]) if c >= need][:4]
 
 
 def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Diagnosis]:
@@ -298,7 +317,7 @@ def find_swap(case: ParamCase, ranks: list) -> Optional[Diagnosis]:
         order = {s.name: i for i, s in enumerate(case.layout.slots)}
         here = order.get(case.name, 0)
         names.sort(key=lambda n: abs(order[n] - here) if n in order else len(order) + 1)
-    for other in names[:64]:
+    for other in names[:SWAP_CANDIDATES]:
         ref, bnd = case.reference_of(other)
         ok = True
         for rank in ranks:

@@ -326,6 +326,44 @@ def test_only_the_wrong_rank_is_named():
     assert (d.kind, d.ranks) == ("local_only", [2])
 
 
+def test_a_bug_in_part_of_the_output_is_fitted_on_the_wrong_elements():
+    """gloo's reduce where an all-reduce was meant: rank 1 keeps its own sum (halved) in the
+    first half and the full mean in the second: rank 0's contributions are missing there."""
+    spec, _, _ = _case("scale_sum", "all_reduce", 2, 2)
+    grads = _grads(2, 2, 5)
+    good = {q: _reduce(grads, q, _ones(2, 2), 1 / 2) for q in SHAPES}
+    part = {}
+    for q in SHAPES:
+        own = _reduce(grads[1:2], q, _ones(1, 2), 1 / 2)
+        half = good[q].size // 2
+        part[q] = np.concatenate([own[:half], good[q][half:]])
+    report = check(spec, _dumps(spec, grads, "all_reduce", [good, part]))
+    for q in SHAPES:
+        d = report.diagnoses[q]
+        assert (d.kind, d.ranks, d.from_ranks, d.steps) == ("missing", [1], [0], [0, 1]), d
+        assert "the rest right" in d.text
+
+
+def test_a_reduction_in_fp16_is_told_from_bf16():
+    spec, _, _ = _case("scale_sum", "all_reduce", 4, 2)
+    grads = _grads(4, 2, 3)
+    half = {q: _reduce(grads, q, _ones(4, 2), 1 / 4, np.float16) for q in SHAPES}
+    report = check(spec, _dumps(spec, grads, "all_reduce", [half] * 4))
+    assert {(d.kind, d.dtype) for d in report.diagnoses.values()} == {("precision", "float16")}
+
+
+def test_off_the_root_with_reduce_avg():
+    """reduce with use_reduce_avg: non-root ranks keep their unscaled sum; scaling it by 1/n
+    anyway is a scale of 1/nranks on those ranks, and the text points at the option."""
+    spec, _, _ = _case("scale_sum", "reduce", 4, 1)
+    grads = _grads(4, 1, 4)
+    good = {q: _reduce(grads, q, _ones(4, 1), 1 / 4) for q in SHAPES}
+    report = check(spec, _dumps(spec, grads, "reduce", [good] * 4), reduce_avg=True)
+    d = report.diagnoses["a"]
+    assert (d.kind, d.factor, d.ranks) == ("scale", 0.25, [0, 2, 3])
+    assert "reduce-avg" in d.text
+
+
 def test_the_cli_prints_the_diagnosis(tmp_path):
     spec, dumps, _ = _case("scale_sum", "all_reduce", 2, 1)
     for r, d in enumerate(dumps):
