@@ -16,6 +16,7 @@ from ..errors import OracleMismatch, OracleWarning, WeakCheckError
 from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound, format_ratio,
                     reduce_dtype, summed, unit_roundoff)
 from .check import as_spec, check, check_dump
+from .diagnose import Diagnosis, ParamCase, diagnose
 from .dumps import DumpError
 from .inputs import (Contributions, ExactPattern, decode_contributions, decode_inputs,
                      exact_inputs, exact_pattern, exact_sum, exact_tolerance)
@@ -49,4 +50,4 @@ __all__ = ["BoundModel", "ErrorStats", "as_float64", "bound_model", "error_bound
            "assert_matches_reference", "plot_report", "DumpError", "OracleWarning",
            "WeakCheckError", "check_steps", "StepsReport", "exact_inputs", "exact_sum",
            "exact_pattern", "exact_tolerance", "decode_contributions", "Contributions",
-           "ExactPattern", "decode_inputs"]
+           "ExactPattern", "decode_inputs", "Diagnosis", "ParamCase", "diagnose"]
