@@ -94,24 +94,9 @@ def _expect_kind(row: cf.Case, name: str, diag: dict, outputs) -> None:
 @pytest.mark.parametrize("case", BUGS)
 def test_diagnosis_kind(observed, outputs, case):
     """Each failing param's diagnosis: the right kind, the wrong ranks and the key field
-    (factor, from_ranks and steps, offset, with, dtype); the known gaps are the next test."""
+    (factor, from_ranks and steps, offset, with, dtype)."""
     row, obs = cf.BY_NAME[case], observed(case)
     for name in obs.failing:
-        if name not in row.gaps:
-            _expect_kind(row, name, obs.diagnosis[name], outputs)
-
-
-GAPS = [pytest.param(c.case, id=c.case, marks=pytest.mark.xfail(
-    strict=True, reason="; ".join(sorted(set(c.gaps.values())))))
-    for c in cf.MATRIX if c.gaps]
-
-
-@pytest.mark.parametrize("case", GAPS)
-def test_diagnosis_known_gaps(observed, outputs, case):
-    """The params whose diagnosis is known to miss the right kind (conformance.py says why);
-    strict: once the diagnosis gets them right this fails, and the gap is removed."""
-    row, obs = cf.BY_NAME[case], observed(case)
-    for name in row.gaps:
         _expect_kind(row, name, obs.diagnosis[name], outputs)
 
 
