@@ -164,7 +164,7 @@ def _fields(kind: str, diags: list) -> str:
     return ""
 
 
-def kind_cell(row: Case, obs: Observed) -> str:
+def kind_cell(obs: Observed) -> str:
     if obs.verdict == "PASS":
         return "-"
     groups: Dict[str, list] = {}
@@ -206,7 +206,7 @@ def render(observed: Dict[str, Observed]) -> str:
         if c.bug is None:
             continue
         obs = observed[c.case]
-        kind = kind_cell(c, obs)
+        kind = kind_cell(obs)
         wrong = sorted({d.get("kind") for n, d in obs.diagnosis.items()} - {c.kind})
         if obs.verdict == "FAIL" and wrong:
             kind += f" (right: `{c.kind}`)"

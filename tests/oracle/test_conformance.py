@@ -103,10 +103,8 @@ def test_diagnosis_kind(observed, outputs, case):
 def test_readme_table_is_the_observed_matrix(observed):
     """README's conformance table is what this run observed (regenerate it with
     ``python -m tests.oracle.conformance --write``)."""
-    from pathlib import Path
-
     table = cf.render({c.case: observed(c.case) for c in cf.MATRIX})
-    readme = (Path(cf.README)).read_text(encoding="utf-8")
+    readme = cf.README.read_text(encoding="utf-8")
     assert cf.readme_table(readme) == table, (
         f"README.md's table differs from the observed matrix; run python -m "
         f"tests.oracle.conformance --write. Observed:\n{table}")
