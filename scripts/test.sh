@@ -114,19 +114,30 @@ export MPIFUSION_TEST_RUN=${RUN_DIR##*.}
 TIMES=()
 FAILED=()
 SUITE_START=$SECONDS
-phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time and outcome
-  local label=$1 start=$SECONDS rc=0
+child_cpu() {  # child_cpu VAR: VAR = user + system seconds of the processes this shell
+  # has waited for (bash's `times` run here: in a $(...) subshell it would count the subshell's)
+  times >"$RUN_DIR/times"
+  printf -v "$1" %s "$(awk 'NR == 2 { for (i = 1; i <= 2; i++) {
+    split($i, t, /[ms]/); s += t[1] * 60 + t[2] }; printf "%d", s }' "$RUN_DIR/times")"
+}
+child_cpu SUITE_CPU
+phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time, CPU and outcome
+  local label=$1 start=$SECONDS cpu end rc=0
   shift
   echo "=== $label"
+  child_cpu cpu
   MPIFUSION_RUN_LABEL=$label "$@" || rc=$?
-  TIMES+=("$(printf '%-14s %4d s' "$label" $((SECONDS - start)))$([ "$rc" = 0 ] || echo " (exit $rc)")")
+  child_cpu end
+  TIMES+=("$(printf '%-14s %4d s  (CPU %4d s)' "$label" $((SECONDS - start)) \
+    $((end - cpu)))$([ "$rc" = 0 ] || echo " (exit $rc)")")
   [ "$rc" = 0 ] || FAILED+=("$label")
 }
 finish() {
-  local rc=$?
-  echo "=== times"
+  local rc=$? cpu
+  child_cpu cpu
+  echo "=== times (CPU: user + system of the phase's processes)"
   printf '%s\n' "${TIMES[@]}"
-  printf '%-14s %4d s\n' total $((SECONDS - SUITE_START))
+  printf '%-14s %4d s  (CPU %4d s)\n' total $((SECONDS - SUITE_START)) $((cpu - SUITE_CPU))
   echo "=== what the run left behind"
   "$PYTHON" tests/leftovers.py check "$RUN_DIR/before.json" --token "$MPIFUSION_TEST_RUN" ||
     FAILED+=("leftover check")
