@@ -15,13 +15,13 @@ from typing import Any
 from ..errors import OracleMismatch, OracleWarning, WeakCheckError
 from .bound import (BoundModel, ErrorStats, as_float64, bound_model, error_bound, format_ratio,
                     reduce_dtype, summed, unit_roundoff)
-from .check import as_spec, check, check_dump
+from .check import as_spec, check_dump
 from .diagnose import Diagnosis, ParamCase, diagnose
 from .dumps import DumpError
 from .inputs import (Contributions, ExactPattern, decode_contributions, decode_inputs,
                      exact_inputs, exact_pattern, exact_sum, exact_tolerance)
 from .report import CheckReport, CoverageIssue, SyncStats
-from .steps import StepsReport, check_steps
+from .steps import StepsReport, check, check_steps
 
 
 def assert_matches_reference(spec: Any, dumps: Any, *, allow_weak: bool = False,

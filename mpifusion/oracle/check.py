@@ -215,8 +215,9 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False,
 
     ``spec``: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path. ``dumps``: a
     directory of ``rank{r}.npz``, or a list (rank order) of ``.npz`` paths or dicts of arrays;
-    a directory of ``step{k}/`` folders is checked step by step (:func:`~.steps.check_steps`,
-    which returns a :class:`~.steps.StepsReport`).
+    ``mpifusion.oracle.check`` (this function behind :func:`~.steps.check`) checks a
+    directory of ``step{k}/`` folders step by step (:func:`~.steps.check_steps`, which
+    returns a :class:`~.steps.StepsReport`).
     ``reduce_avg``: the implementation averaged inside the collective (Paddle's
     ``use_reduce_avg``), so non-root ranks of ``reduce`` keep their unscaled local sum.
     ``exact``: the inputs are exact in every order (:func:`~.inputs.exact_inputs`; refused
@@ -230,11 +231,6 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False,
         raise DumpError(f"reduce_avg: expected True or False, got {reduce_avg!r}")
     if not isinstance(exact, (bool, np.bool_)):
         raise DumpError(f"exact: expected True or False, got {exact!r}")
-    from .steps import check_steps, is_steps_dir
-
-    if is_steps_dir(dumps):  # step{k}/ folders (cap.step(k)): each step, naming the failing one
-        return check_steps(spec, dumps, reduce_avg=reduce_avg,  # type: ignore[return-value]
-                           exact=exact)
     spec = as_spec(spec)
     labels, files, source = _open_dumps(dumps, spec.nranks)
     try:

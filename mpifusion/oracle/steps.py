@@ -10,6 +10,7 @@ test a gradient never zeroed shows up as an unexplained excess at step 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..errors import OracleMismatch
+from .check import as_spec
+from .check import check as check_one
 from .dumps import DumpError, rank_files
 from .report import CheckReport, enforce_strength
 
@@ -209,8 +212,6 @@ def _diagnose(spec: Any, k: int, load: Any, have: set, report: CheckReport,
               options: dict) -> list:
     """What earlier steps explain of step ``k``'s failing params (see the module doc);
     ``load(j)`` gives step ``j``'s records as dicts, ``have`` the steps there are."""
-    from .check import check
-
     bad = [name for name, kind, _ in report.failures() if kind == "grad"]
     if not bad or k - 1 not in have:
         return []
@@ -227,7 +228,7 @@ def _diagnose(spec: Any, k: int, load: Any, have: set, report: CheckReport,
         if not todo:
             break
         try:
-            alt = check(dataclasses.replace(spec, acc_steps=acc * len(steps)),
+            alt = check_one(dataclasses.replace(spec, acc_steps=acc * len(steps)),
                         _merged([load(i) for i in steps], load(k), acc), **options)
         except (DumpError, ValueError, OSError):
             continue  # a record the merge cannot express: no diagnosis, the failure stands
@@ -238,6 +239,13 @@ def _diagnose(spec: Any, k: int, load: Any, have: set, report: CheckReport,
     return [found[n] for n in bad if n in found]
 
 
+@functools.wraps(check_one)
+def check(spec: Any, dumps: Any, **options: Any) -> Any:  # noqa: D103 - check_one's docstring
+    if is_steps_dir(dumps):  # step{k}/ folders (cap.step(k)): each step, naming the failing one
+        return check_steps(spec, dumps, **options)
+    return check_one(spec, dumps, **options)
+
+
 def check_steps(spec: Any, dumps: Any, **options: Any) -> StepsReport:
     """Check every step of a run, in order, and name the step that fails.
 
@@ -245,8 +253,6 @@ def check_steps(spec: Any, dumps: Any, **options: Any) -> StepsReport:
     ``cap.step(k)`` then ``cap.save(dir)`` writes), or a mapping ``{k: records}`` (each as
     :func:`~mpifusion.oracle.check` takes them). ``options`` go to ``check``. Bad input raises
     ``DumpError`` naming the step."""
-    from .check import as_spec, check
-
     spec = as_spec(spec)
     if isinstance(dumps, (str, os.PathLike)):
         directory = os.fspath(dumps)
@@ -281,7 +287,7 @@ def check_steps(spec: Any, dumps: Any, **options: Any) -> StepsReport:
 
     for k, records in found:
         try:
-            report = check(spec, records, **options)
+            report = check_one(spec, records, **options)
         except DumpError as exc:
             raise DumpError(str(exc) if isinstance(records, (str, os.PathLike))
                             else f"step {k}: {exc}") from None
