@@ -32,6 +32,7 @@ swap, precision) are in ``diagnosis.py``.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from fractions import Fraction
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -83,17 +84,18 @@ def _group(case: ParamCase, js: Sequence[int]) -> tuple:
 # --------------------------------------------------------------------------- the weight fit
 
 
-def _fit_rows(case: ParamCase, ro: RankOutput, rng: np.random.Generator,
-              limit: int) -> tuple:
-    """``(A, b)``: up to ``limit`` sampled elements of the rank's output (finite ones) as
-    rows over the contributions."""
-    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected) & ro.wrong)
-    if ok.size > limit:
-        ok = np.sort(rng.choice(ok, limit, replace=False))
-    a = np.empty((ok.size, case.n))
+def _fit_rows(case: ParamCase, ro: RankOutput) -> tuple:
+    """``(A, b)``: the rank's sampled elements as rows over the contributions."""
+    a = np.empty((ro.sample.size, case.n))
     for j in range(case.n):
-        a[:, j] = column(case, j, ro.begin, ro.end)[ok]
-    return a, ro.out[ok]
+        a[:, j] = column(case, j, ro.begin, ro.end, ro.sample)
+    return a, ro.out[ro.sample]
+
+
+def _sample(ro: RankOutput, rng: np.random.Generator, limit: int) -> np.ndarray:
+    """Up to ``limit`` of the rank's wrong, finite elements, in order."""
+    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected) & ro.wrong)
+    return np.sort(rng.choice(ok, limit, replace=False)) if ok.size > limit else ok
 
 
 def _snap(w: np.ndarray) -> Optional[np.ndarray]:
@@ -230,11 +232,11 @@ def _value(case: ParamCase, ranks: list, unit: Callable[[int], np.ndarray]) -> O
     count = 0
     for r in ranks:
         ro = case.outputs[r]
-        base, _ = model(case, ro, unit(r))
-        ok = np.isfinite(ro.out) & ro.wrong
-        num += float(base[ok] @ ro.out[ok])
-        den += float(base[ok] @ base[ok])
-        count += int(ok.sum())
+        base, _ = model(case, ro, unit(r), ro.sample)
+        out = ro.out[ro.sample]
+        num += float(base @ out)
+        den += float(base @ base)
+        count += int(ro.sample.size)
     return (num / den, count) if den > 0 else None
 
 
@@ -253,7 +255,8 @@ def _own_mask(case: ParamCase, rank: int) -> np.ndarray:
     return own
 
 
-def _jointly(case: ParamCase, ranks: list, rows: dict) -> Dict[int, Diagnosis]:
+def _jointly(case: ParamCase, ranks: list, rows: dict,
+             shared: frozenset = frozenset()) -> Dict[int, Diagnosis]:
     """One weight model for all ``ranks`` (the usual case: the same bug on every rank, and
     the only way to fit pieces too small to fit alone): a scale of the expected weights,
     then the pooled least-squares fit. Returns the ranks it explains."""
@@ -278,7 +281,7 @@ def _jointly(case: ParamCase, ranks: list, rows: dict) -> Dict[int, Diagnosis]:
     for r in ranks:
         ro = case.outputs[r]
         if explains(case, ro, v * m):
-            d = _classify(case, r, ro, m, v, alone=len(ranks) == 1)
+            d = _classify(case, r, ro, m, v, alone=len(ranks) == 1 and r not in shared)
             if d is not None:
                 out[r] = d
     return out
@@ -289,7 +292,7 @@ def _fraction_of(case: ParamCase, v: float, c: float) -> float:
     return c * float(frac) if frac is not None else v
 
 
-def _alone(case: ParamCase, rank: int, rows: dict) -> Optional[Diagnosis]:
+def _alone(case: ParamCase, rank: int, rows: dict, shared: frozenset) -> Optional[Diagnosis]:
     """Models of one rank's output: its own accumulated gradient (``local_only``), a scale
     of what was expected, the rank's own least-squares fit."""
     ro = case.outputs[rank]
@@ -301,14 +304,15 @@ def _alone(case: ParamCase, rank: int, rows: dict) -> Optional[Diagnosis]:
             v = _simple_value(case, fit[0], c, fit[1])
             if v is not None and v != 0 and explains(
                     case, ro, _own_mask(case, rank) * v):
-                return _classify(case, rank, ro, _own_mask(case, rank), v, alone=True)
+                return _classify(case, rank, ro, _own_mask(case, rank), v,
+                                 alone=rank not in shared)
     fit = _value(case, [rank], lambda r: e / c)
     if fit is not None:
         v = _simple_value(case, fit[0], c, fit[1])
         if v is not None and abs(v / c - 1) > 1e-9 and explains(case, ro, e / c * v):
             return _scale(case, [rank], v / c, ro.own)
     if rows[rank][0].shape[0] >= 2 * case.n:
-        return _jointly(case, [rank], rows).get(rank)
+        return _jointly(case, [rank], rows, shared).get(rank)
     return None
 
 
@@ -396,14 +400,20 @@ def diagnose(case: ParamCase) -> Diagnosis:
     nonfinite = _nonfinite(case)
     if nonfinite is not None:
         return nonfinite
+    twins = _twins(case, failing)  # all_reduce: every rank the same wrong output, once
+    failing = sorted(twins)
     rng = np.random.default_rng(0)
     share = max(FIT_ELEMENTS // len(failing), case.n * 4)
-    rows = {r: _fit_rows(case, case.outputs[r], rng, share) for r in failing}
+    for r in failing:
+        case.outputs[r].sample = _sample(case.outputs[r], rng, share)
+    rows = {r: _fit_rows(case, case.outputs[r]) for r in failing}
     regular = [r for r in failing if not case.outputs[r].own]
-    found = _jointly(case, regular, rows) if regular else {}
+    # an output other ranks hold too is never one rank's own gradient (local_only)
+    shared = frozenset(r for r, ts in twins.items() if len(ts) > 1)
+    found = _jointly(case, regular, rows, shared) if regular else {}
     for r in failing:
         if r not in found:
-            d = _alone(case, r, rows)
+            d = _alone(case, r, rows, shared)
             if d is not None:
                 found[r] = d
     rest = [r for r in failing if r not in found]
@@ -428,7 +438,26 @@ def diagnose(case: ParamCase) -> Diagnosis:
             if d is not None and d.kind == "shift" and set(d.ranks) > set(rest):
                 result = [x for r, x in found.items() if r not in d.ranks]
         result.append(d or _unexplained_for(case, rest))
+    for d in result:  # each rank stands for its twins
+        d.ranks = sorted(t for r in d.ranks for t in twins.get(r, [r]))
     return _merge(case, result)
+
+
+def _twins(case: ParamCase, ranks: list) -> Dict[int, list]:
+    """``{rank: [ranks holding the same output]}``, one key per distinct output (the
+    same elements, expected the same way, the same values)."""
+    out: Dict[int, list] = {}
+    seen: Dict[tuple, int] = {}
+    for r in ranks:
+        ro = case.outputs[r]
+        key = (ro.begin, ro.end, ro.own, hashlib.blake2b(
+            np.ascontiguousarray(ro.out).tobytes(), digest_size=16).digest())
+        if ro.own or key not in seen:  # an own output is expected per rank: never a twin
+            seen[key] = r
+            out[r] = [r]
+        else:
+            out[seen[key]].append(r)
+    return out
 
 
 def _unexplained_for(case: ParamCase, ranks: list) -> Diagnosis:

@@ -344,6 +344,18 @@ def test_a_bug_in_part_of_the_output_is_fitted_on_the_wrong_elements():
         assert "the rest right" in d.text
 
 
+def test_one_ranks_gradient_on_every_rank_is_missing_not_local():
+    """Every rank holds rank 0's own sum (a broadcast where a reduction was meant): the other
+    ranks' contributions are missing; it is no rank's local-only result."""
+    spec, _, _ = _case("scale_sum", "all_reduce", 4, 2)
+    grads = _grads(4, 2, 6)
+    root = {q: _reduce(grads[:1], q, _ones(1, 2), 1) for q in SHAPES}
+    report = check(spec, _dumps(spec, grads, "all_reduce", [root] * 4))
+    d = report.diagnoses["a"]
+    assert (d.kind, d.ranks, d.from_ranks, d.steps) == ("missing", [0, 1, 2, 3], [1, 2, 3],
+                                                        [0, 1]), d
+
+
 def test_a_reduction_in_fp16_is_told_from_bf16():
     spec, _, _ = _case("scale_sum", "all_reduce", 4, 2)
     grads = _grads(4, 2, 3)
