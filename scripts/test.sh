@@ -156,8 +156,12 @@ for n in ${MPIFUSION_TEST_RANKS:-1 2 3 4 8}; do
   phase "mpi-n$n" timeout --signal=KILL 1200 "$MPIEXEC" -n "$n" \
     "$PYTHON" -m mpi4py -m pytest --only-mpi -q "$@" tests
 done
+# Open MPI at 2, 3 and 8 ranks, not 4: what it adds to the MPICH runs is its own non-blocking
+# and collective code paths, which an even and an odd size and the large size cover; at 4
+# ranks the same tests run as at 8 (the same skips), and MPICH runs them at 4 as well. It
+# cost 33 s (67 s of CPU) of a 700 s run; MPIFUSION_OPENMPI_RANKS="2 3 4 8" adds it back.
 if [ -n "$OMPI_PY" ]; then
-  for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 4 8}; do
+  for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 8}; do
     phase "openmpi-n$n" timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" \
       --oversubscribe -n "$n" "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
   done
@@ -169,7 +173,7 @@ WORKERS=${MPIFUSION_SERIAL_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
   phase serial "$PYTHON" -m pytest -q "$@" tests
 else
-  phase serial "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile "$@" tests
+  phase serial "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@" tests
 fi
 echo "=== skips of every run"
 # A test that no run's rank count can reach fails the run, unless the rank counts were

@@ -88,9 +88,31 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+#: The serial run's longest files, longest first (seconds of their tests in one loaded
+#: pytest-xdist run of 2026-12-05, whose serial phase took 768 s: 340, 264, 158, 83, 81, 71,
+#: 56, 37, 33, 31, 25; the next was 18). They run first, the rest after them in collection
+#: order: scripts/test.sh hands whole files to its workers (``--dist loadfile``), and
+#: pytest-xdist's own order (most tests first) left the few long whole-job files of
+#: tests/tools to the end, where one worker ran them while the other had nothing left.
+LONGEST_FILES = (
+    "comm/test_engine_order.py", "slurm/test_slurm_batch.py", "tools/test_cli_run.py",
+    "oracle/test_oracle_check.py", "faults/test_faults.py", "tools/test_cli_bench.py",
+    "docs/test_transcripts.py", "tools/test_cli_ddp.py", "docs/test_oracle_page.py",
+    "oracle/test_peers.py", "tools/test_torch_example.py",
+)
+
+
+def _longest_first(items):
+    """``items`` with LONGEST_FILES' tests first (in that order, each file's own order kept)."""
+    tests_dir = Path(__file__).resolve().parent
+    rank = {tests_dir / name: i for i, name in enumerate(LONGEST_FILES)}
+    return sorted(items, key=lambda item: rank.get(Path(str(item.fspath)), len(rank)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Deselect (not skip) what this launcher does not run, so skips mean something."""
+    """Deselect (not skip) what this launcher does not run, so skips mean something; the
+    serial run starts with its longest files (LONGEST_FILES)."""
     only_mpi = config.getoption("only_mpi", False)
     with_mpi = config.getoption("with_mpi", False)
     keep, drop = [], []
@@ -114,7 +136,9 @@ def pytest_collection_modifyitems(config, items):
             keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    if not (only_mpi or with_mpi):
+        keep = _longest_first(keep)
+    items[:] = keep
     n_mpi = sum(1 for item in drop if item.get_closest_marker("mpi") is not None)
     config._mpifusion_mpi_deselected = 0 if (only_mpi or with_mpi) else n_mpi
 
