@@ -629,8 +629,11 @@ def test_float64_main_grads_are_summed_in_float64(comm, act, avg):
 
 @pytest.mark.mpi
 def test_negated_torch_grads_keep_their_sign(comm):
-    torch = pytest.importorskip("torch")
     rank, n = comm.Get_rank(), comm.Get_size()
+    if n > 3:  # the sign is read per element, as the grad is added: no rank count changes it
+        pytest.skip("runs at 1 to 3 ranks (importing torch on 4 and 8 oversubscribed ranks "
+                    "cost 5-10 s a run)")
+    torch = pytest.importorskip("torch")
     for dt in (torch.float32, torch.bfloat16):
         p = Param("w", torch.zeros(8, dtype=dt))
         buf = FusedCommBuffer(0, [p], comm, act="all_reduce")
