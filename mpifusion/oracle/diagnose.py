@@ -302,10 +302,10 @@ def _alone(case: ParamCase, rank: int, rows: dict, shared: frozenset) -> Optiona
         fit = _value(case, [rank], lambda r: _own_mask(case, r))
         if fit is not None:
             v = _simple_value(case, fit[0], c, fit[1])
-            if v is not None and v != 0 and explains(
-                    case, ro, _own_mask(case, rank) * v):
-                return _classify(case, rank, ro, _own_mask(case, rank), v,
-                                 alone=rank not in shared)
+            if v is not None and v != 0 and explains(case, ro, _own_mask(case, rank) * v):
+                d = _classify(case, rank, ro, _own_mask(case, rank), v, alone=rank not in shared)
+                if d is not None:
+                    return d
     fit = _value(case, [rank], lambda r: e / c)
     if fit is not None:
         v = _simple_value(case, fit[0], c, fit[1])
@@ -360,12 +360,11 @@ def _unexplained(case: ParamCase) -> Diagnosis:
         ro = case.outputs.get(r)
         if ro is None:
             continue
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # a 0 bound (exact): inf
             ratio = np.abs(ro.out - ro.expected) / ro.bound
-        ratio = ratio[np.isfinite(ratio)]
-        beyond = int(np.count_nonzero(ratio > 1))
+        ratio = np.where(np.isnan(ratio), np.inf, ratio)[ro.wrong]
         if ratio.size and float(ratio.max()) >= worst:
-            worst, where = float(ratio.max()), (r, beyond, ro.out.size)
+            worst, where = float(ratio.max()), (r, ratio.size, ro.out.size)
     stat = (f": on rank {where[0]}, {where[1]} of {where[2]} element(s) beyond the bound "
             f"(worst {worst:.3g}x)" if where else "")
     return Diagnosis("unexplained", f"no simple model fits (not a scale, a missing or "

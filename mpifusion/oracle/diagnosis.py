@@ -246,6 +246,8 @@ class ReducedBuffer:
         self.values: Optional[np.ndarray] = None
 
     def build(self) -> None:
+        """Lay the references of the param and of :data:`NEIGHBOURS` slots each side at
+        their offsets (computed now: only a shift needs them)."""
         case = self.case
         lay = case.layout
         if lay is None or case.name not in lay or case.reference_of is None:
@@ -293,6 +295,9 @@ def candidate_offsets(out: np.ndarray, pos: np.ndarray, values: np.ndarray) -> l
 
 
 def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Diagnosis]:
+    """``shift``: one offset ``d`` with every output element ``i`` equal to the reduced
+    buffer's element ``i + d`` within the bound (a flat buffer read back at the wrong
+    offset, without its padding, or with a wrong slice), on every one of ``ranks``."""
     if buf.values is None:
         buf.build()
     found = None
@@ -328,6 +333,8 @@ def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Dia
 
 
 def find_swap(case: ParamCase, ranks: list) -> Optional[Diagnosis]:
+    """``swap``: another param of the same size whose reference the output is, within the
+    bound, on every one of ``ranks`` (two params' gradients exchanged)."""
     if case.reference_of is None:
         return None
     names = [n for n, numel in case.others.items() if numel == case.numel and n != case.name]

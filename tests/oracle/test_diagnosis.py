@@ -356,6 +356,37 @@ def test_one_ranks_gradient_on_every_rank_is_missing_not_local():
                                                         [0, 1]), d
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_grads(dtype):
+    """Half grads (no fp32 main grads): the fit sees their coarser rounding, and still
+    names the sum, the missing rank and the swap."""
+    half = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    nranks, acc = 4, 2
+    spec = {"params": [{"name": n, "shape": [300], "dtype": dtype} for n in ("a", "b")],
+            "act": "all_reduce", "nranks": nranks, "acc_steps": acc, "average": True}
+    rng = np.random.default_rng(8)
+    grads = [{n: [rng.standard_normal(300).astype(half) for _ in range(acc)] for n in "ab"}
+             for _ in range(nranks)]
+
+    def reduced(name, skip=None, scale=1 / nranks):  # fp32 accumulation, half buffers
+        total = np.zeros(300, np.float32)
+        for r in range(nranks):
+            if r != skip:
+                total += sum(x.astype(np.float32) for x in grads[r][name]).astype(half)
+        return (total * np.float32(scale)).astype(half)
+
+    raw = (lambda x: x.view(np.uint16)) if dtype == "bfloat16" else (lambda x: x)
+    for bug, out, want in [("sum", lambda n: reduced(n, scale=1), ("scale", 4.0)),
+                           ("missing", lambda n: reduced(n, skip=2), ("missing", [2])),
+                           ("swap", lambda n: reduced("b" if n == "a" else "a"),
+                            ("swap", "b"))]:
+        dumps = [{**{f"in/{n}/{k}": raw(grads[r][n][k]) for n in "ab" for k in range(acc)},
+                  **{f"out/{n}": raw(out(n)) for n in "ab"}} for r in range(nranks)]
+        d = check(spec, dumps).diagnoses["a"]
+        got = {"scale": d.factor, "missing": d.from_ranks, "swap": d.with_}[d.kind]
+        assert (d.kind, got) == want, (bug, d)
+
+
 def test_a_reduction_in_fp16_is_told_from_bf16():
     spec, _, _ = _case("scale_sum", "all_reduce", 4, 2)
     grads = _grads(4, 2, 3)
