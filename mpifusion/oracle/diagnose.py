@@ -8,21 +8,24 @@ says what went wrong. Pure numpy and no MPI, like the rest of the oracle.
 Method, per wrong output rank (a rank whose output fails):
 
 1. NaN/Inf where the reference is finite, or the reverse: ``nonfinite``;
-2. a least-squares fit ``out ~ sum_j w_j x_j`` over the ``nranks * acc_steps``
-   contributions (rank, micro-step) on up to 4096 elements (the failing ranks pooled when
-   a piece is too small to fit alone), the weights snapped to ``v * m_j`` with one common
+2. one factor times the expected output (``scale``; it fits params smaller than the
+   contribution count), the rank's own gradient times one factor, then a least-squares
+   fit ``out ~ sum_j w_j x_j`` over the ``nranks * acc_steps``
+   contributions (rank, micro-step) on up to 4096 of the elements beyond the bound (the
+   failing ranks pooled when a piece is too small to fit alone; ranks holding the same
+   output fitted once), the weights snapped to ``v * m_j`` with one common
    value ``v`` and small multiplicities ``m_j`` (0, 1, 2, 3), ``v`` to a simple fraction of
-   the expected weight; the snapped model is then checked on every compared element within
-   the bound of that model, and classified: every expected weight times one factor
+   the expected weight; the snapped model is then checked on every element beyond the bound
+   within the bound of that model, and classified: every expected weight times one factor
    (``scale``), some 0 (``missing``, whatever the divisor), some doubled (``duplicate``),
    the rank's own contributions alone (``local_only``);
-3. else the reduced flat buffer shifted by an offset, within the param or from its
-   neighbours (``shift``: candidate offsets from matching distinctive output values
-   against the buffer's sorted values, then checked on every element);
-4. else another param's reduced gradient of the same size (``swap``);
-5. else within the worst-case bound of the same reduction done in fp16 or bf16
-   (``precision``; of the two, the one whose simulated rounding error is the closer in
-   size to the observed one);
+3. else within the worst-case bound of the same reduction done in fp16 or bf16, with an
+   error of the size that dtype's rounding makes (``precision``; of the two, the one whose
+   simulated rounding error is the closer in size to the observed one);
+4. else another param's reduced gradient of the same size (``swap``: the 16 nearest);
+5. else the reduced flat buffer shifted by an offset, within the param or from its
+   neighbours (``shift``: 4 slots each side; candidate offsets from matching distinctive
+   output values against the buffer's sorted values, then checked on every element);
 6. else ``unexplained``, with the error statistics.
 
 A kind is claimed only when its model explains the output within a bound; the verdict is
