@@ -160,19 +160,18 @@ class StepsReport:
             out.extend(str(d) for d in self.diagnoses if d.step == k)
         if self.ok:
             out.extend(f"note: {n}" for n in self.notes)
-        else:
-            first = self.failing_steps[0]
-            out.append(f"--- step {first} ---")
-            out.extend(self.report(first).lines()[:-1])  # its notes included
-            bad = self.report(first).failing
-            out.append(f"FAIL: step {first} of {len(ks)}: {', '.join(bad[:10])}"
-                       f"{' ...' if len(bad) > 10 else ''}"
-                       + (f" (also failing: step {', '.join(map(str, self.failing_steps[1:]))})"
-                          if len(self.failing_steps) > 1 else ""))
-        if self.ok:
             weak = f" (weak: {self.weak_summary()})" if self.weak else ""
             n = max((len(r.stats) + len(r.sync) for _, r in self.steps), default=0)
             out.append(f"PASS{weak}: {len(ks)} step(s), {n} params each within the bound")
+            return out
+        first = self.failing_steps[0]
+        out.append(f"--- step {first} ---")
+        out.extend(self.report(first).lines()[:-1])  # its notes included
+        bad = self.report(first).failing
+        others = self.failing_steps[1:]
+        out.append(f"FAIL: step {first} of {len(ks)}: {', '.join(bad[:10])}"
+                   f"{' ...' if len(bad) > 10 else ''}"
+                   + (f" (also failing: step {', '.join(map(str, others))})" if others else ""))
         return out
 
     def __str__(self) -> str:
