@@ -202,16 +202,22 @@ def _scale(case: ParamCase, ranks: list, factor: float, own: bool) -> Diagnosis:
     f = float(factor)
     frac = _simple(case, f)
     f = float(frac) if frac is not None else f
+    scaled_off_root = case.average and not case.reduce_avg  # Paddle's rule off the root
     if n > 1 and abs(f - n) < 1e-9:
         why = ("kept the unscaled own gradient off the root where Paddle's rule scales it "
-               "by 1/n (check --reduce-avg if the collective averaged)" if own else
-               "summed where a mean was expected (a missing 1/n)")
+               "by 1/n (check --reduce-avg if the collective averaged)"
+               if own and scaled_off_root else "the own gradient times nranks off the root"
+               if own else "summed where a mean was expected (a missing 1/n)"
+               if case.average else "a sum where a sum was expected, times nranks again")
         text = f"every element is the reference times {n} = nranks: {why}"
     elif n > 1 and abs(f - 1.0 / n) < 1e-12:
-        why = ("scaled by 1/n off the root although the collective averaged "
-               "(use_reduce_avg: drop --reduce-avg?)" if own else
+        why = ("scaled by 1/n twice off the root" if own and scaled_off_root else
+               "scaled by 1/n off the root although the collective averaged "
+               "(use_reduce_avg: drop --reduce-avg?)" if own and case.average else
+               "scaled by 1/n off the root, but the spec sums (average false)" if own else
                "averaged twice (divided by nranks once more, e.g. a mean collective and a "
-               "1/n scale both)")
+               "1/n scale both)" if case.average else
+               "averaged where a sum was expected (the spec says average false)")
         text = f"every element is the reference times 1/{n} = 1/nranks: {why}"
     elif acc > 1 and abs(f - 1.0 / acc) < 1e-12:
         text = (f"every element is the reference times 1/{acc} = 1/acc_steps: the "

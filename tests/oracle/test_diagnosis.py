@@ -395,6 +395,15 @@ def test_a_reduction_in_fp16_is_told_from_bf16():
     assert {(d.kind, d.dtype) for d in report.diagnoses.values()} == {("precision", "float16")}
 
 
+def test_a_mean_where_the_spec_sums():
+    spec = _spec(3, 2, "all_reduce", average=False)
+    grads = _grads(3, 2, 9)
+    mean = {q: _reduce(grads, q, _ones(3, 2), 1 / 3) for q in SHAPES}
+    d = check(spec, _dumps(spec, grads, "all_reduce", [mean] * 3)).diagnoses["a"]
+    assert (d.kind, d.factor) == ("scale", pytest.approx(1 / 3))
+    assert "averaged where a sum was expected" in d.text
+
+
 def test_off_the_root_with_reduce_avg():
     """reduce with use_reduce_avg: non-root ranks keep their unscaled sum; scaling it by 1/n
     anyway is a scale of 1/nranks on those ranks, and the text points at the option."""
