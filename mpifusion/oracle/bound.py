@@ -153,7 +153,8 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     c = 1.0 / nranks if average else 1.0
     abs_sum = np.asarray(abs_sum, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        bound = np.asarray(abs_sum * (c * model.rel) + model.absolute)
+        bound = np.asarray(abs_sum * (c * model.rel))
+        bound += model.absolute
         if ref_error is not None:
             bound += np.asarray(ref_error, dtype=np.float64).reshape(bound.shape)
     # inf * 0 would be NaN; in place, since a param's bound is one of its largest arrays
@@ -205,10 +206,10 @@ def _num(x: float) -> str:
 class ErrorStats:
     """Worst errors of one param against its reference (over every element compared).
 
-    The rule for every element: where the float64 reference is finite, the output must be
+    The rule for every element: where the reference is finite, the output must be
     finite and within the bound (a NaN ``err/bound`` fails); where the reference is +inf,
     -inf or NaN (the inputs held Inf/NaN), the output must be the same (same sign for inf);
-    where the float64 reference or ``sum|x|`` overflows although every input is finite (its
+    where the reference or ``sum|x|`` overflows although every input is finite (its
     bound is NaN, :class:`ReferenceSum`), the element cannot be checked and fails as
     ``overflow``: it is never given an infinite bound.
     """
@@ -222,7 +223,7 @@ class ErrorStats:
     nonfinite: int = 0      # Inf/NaN outputs where the reference is finite
     nonfinite_ref: int = 0  # elements whose reference is Inf/NaN (Inf/NaN in the inputs)
     mismatched: int = 0     # ... of which the output is not the same Inf/NaN
-    overflow: int = 0       # float64 reference or sum|x| overflows with finite inputs
+    overflow: int = 0       # reference or sum|x| overflows with finite inputs
     beyond: int = 0         # finite outputs farther from the reference than the bound
     beyond_ratio: float = 0.0  # max |err| / bound over those finite comparisons only
     first_failure: Optional[str] = None  # the first failing element, for the report
@@ -239,7 +240,7 @@ class ErrorStats:
             return None
         parts = []
         if self.overflow:
-            parts.append(f"{self.overflow} element(s) whose float64 reference or sum|x| "
+            parts.append(f"{self.overflow} element(s) whose reference or sum|x| "
                          f"overflows (finite inputs too large to check)")
         if self.mismatched:
             parts.append(f"{self.mismatched} element(s) where the reference is Inf/NaN "
