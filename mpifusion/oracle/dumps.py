@@ -25,9 +25,11 @@ from .bound import as_float64, as_native
 MAX_HEADER_BYTES = 10000
 #: deflate expands at most ~1032-fold; a member declaring more is not a real .npy
 MAX_DEFLATE_RATIO = 1100
-#: float64 work arrays per element while one param is checked (reference, sum|x|, bound,
-#: the output and the comparison's temporaries)
-CHECK_BYTES_PER_ELEMENT = 12 * 8
+#: work arrays per element while one param is checked: the exact reference, sum|x| (then
+#: the bound), the reference's rounding error and the marks, 4 float64 (comparisons run in
+#: 1M-element chunks). The inputs and outputs a check holds are counted as they are read:
+#: each member's check compares with the memory still available then.
+CHECK_BYTES_PER_ELEMENT = 4 * 8
 #: bytes read per chunk when copying a member's data into its array
 _CHUNK = 16 << 20
 
