@@ -87,12 +87,25 @@ def _group(case: ParamCase, js: Sequence[int]) -> tuple:
 # --------------------------------------------------------------------------- the weight fit
 
 
-def _fit_rows(case: ParamCase, ro: RankOutput) -> tuple:
-    """``(A, b)``: the rank's sampled elements as rows over the contributions."""
-    a = np.empty((ro.sample.size, case.n))
+def _fit_rows(case: ParamCase, ro: RankOutput, idx: np.ndarray) -> tuple:
+    """``(A, b)``: the elements ``idx`` of the rank's output as rows over the
+    contributions."""
+    a = np.empty((idx.size, case.n))
     for j in range(case.n):
-        a[:, j] = column(case, j, ro.begin, ro.end, ro.sample)
-    return a, ro.out[ro.sample]
+        a[:, j] = column(case, j, ro.begin, ro.end, idx)
+    return a, ro.out[idx]
+
+
+def _rows(case: ParamCase, ro: RankOutput, rng: np.random.Generator, share: int) -> tuple:
+    """The fit's rows: the sampled wrong elements, and, where they are too few to fit the
+    contributions (sparse inputs leave some elements right), a sample of every finite
+    element as well (None otherwise)."""
+    wrong = _fit_rows(case, ro, ro.sample)
+    if ro.sample.size >= 2 * case.n:
+        return wrong, None
+    ok = np.flatnonzero(np.isfinite(ro.out) & np.isfinite(ro.expected))
+    idx = np.sort(rng.choice(ok, share, replace=False)) if ok.size > share else ok
+    return wrong, _fit_rows(case, ro, idx)
 
 
 def _sample(ro: RankOutput, rng: np.random.Generator, limit: int) -> np.ndarray:
@@ -281,7 +294,9 @@ def _jointly(case: ParamCase, ranks: list, rows: dict,
         if v is not None and abs(v / c[one] - 1) > 1e-9 and all(
                 explains(case, case.outputs[r], unit(r) * v) for r in ranks):
             return {r: _scale(case, [r], v / c[one], case.outputs[r].own) for r in ranks}
-    pooled = _fit(case, [rows[r] for r in ranks])
+    pooled = _fit(case, [rows[r][0] for r in ranks])
+    if pooled is None and all(rows[r][1] is not None for r in ranks):
+        pooled = _fit(case, [rows[r][1] for r in ranks])  # the right elements fit it too
     if pooled is None:
         return {}
     m, v = pooled
@@ -320,7 +335,7 @@ def _alone(case: ParamCase, rank: int, rows: dict, shared: frozenset) -> Optiona
         v = _simple_value(case, fit[0], c, fit[1])
         if v is not None and abs(v / c - 1) > 1e-9 and explains(case, ro, e / c * v):
             return _scale(case, [rank], v / c, ro.own)
-    if rows[rank][0].shape[0] >= 2 * case.n:
+    if max(len(r[1]) if r is not None else 0 for r in rows[rank]) >= 2 * case.n:
         return _jointly(case, [rank], rows, shared).get(rank)
     return None
 
@@ -414,7 +429,7 @@ def diagnose(case: ParamCase) -> Diagnosis:
     share = max(FIT_ELEMENTS // len(failing), case.n * 4)
     for r in failing:
         case.outputs[r].sample = _sample(case.outputs[r], rng, share)
-    rows = {r: _fit_rows(case, case.outputs[r]) for r in failing}
+    rows = {r: _rows(case, case.outputs[r], rng, share) for r in failing}
     regular = [r for r in failing if not case.outputs[r].own]
     # an output other ranks hold too is never one rank's own gradient (local_only)
     shared = frozenset(r for r, ts in twins.items() if len(ts) > 1)

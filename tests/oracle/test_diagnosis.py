@@ -256,6 +256,14 @@ def test_exact_inputs_are_diagnosed_exactly(bug, act, nranks, acc):
     _assert_diagnosed(bug, act, nranks, acc, exact=True)
 
 
+@pytest.mark.parametrize("act", ["all_reduce", "rs_range"])
+def test_exact_inputs_with_fewer_wrong_elements_than_contributions(act):
+    """8 ranks x 4 micro-steps: exact inputs hold 22 of the 32 contributions per element,
+    so a doubled one leaves 31 of b's 50 elements wrong, too few to fit 32 weights alone;
+    the right elements join the fit (the model must fit them too)."""
+    _assert_diagnosed("duplicate", act, 8, 4, exact=True)
+
+
 def _assert_diagnosed(bug, act, nranks, acc, exact):
     spec, dumps, expect = _case(bug, act, nranks, acc, seed=nranks * 10 + acc, exact=exact)
     exact_check = exact and "exact" in inspect.signature(check).parameters
