@@ -321,7 +321,7 @@ def _bound_over_absolute(exact: Any, **model: Any) -> np.ndarray:
     bound = exact.absolute
     for lo in range(0, bound.size, _COMPARE_CHUNK):
         hi = lo + _COMPARE_CHUNK
-        bound[lo:hi] = error_bound(bound[lo:hi], ref_error=exact.error[lo:hi], **model)
+        bound[lo:hi] = error_bound(bound[lo:hi], ref_error=exact.error_of(lo, hi), **model)
     return bound
 
 

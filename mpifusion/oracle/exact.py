@@ -57,9 +57,25 @@ class ExactResult:
     value: np.ndarray     # RN_even(sum / divisor) in the target dtype, held as float64
     absolute: np.ndarray  # float64 sum|x| (for the bound): inf where an input is Inf/NaN,
     #                       NaN where it overflows (or the value does) with finite inputs
-    error: np.ndarray     # a bound on |exact - value|: 0 where the value is exact, else
-    #                       u(dtype)|value| + underflow(dtype) (>= half an ulp)
+    inexact: np.ndarray   # the value is not the exact sum / divisor (it was rounded)
     overflow: np.ndarray  # finite inputs whose exact result or sum|x| is beyond the range
+    dtype: str = "float64"
+
+    def error_of(self, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+        """A bound on ``|exact - value|`` over ``[lo, hi)``: 0 where the value is exact,
+        else ``u(dtype)|value| + underflow(dtype)`` (at least half an ulp). Kept as the
+        ``inexact`` marks (a byte per element) and formed on demand, a chunk at a time."""
+        value = self.value[lo:hi]
+        err = np.abs(value)
+        err *= _UNIT[self.dtype]
+        err += _UNDER[self.dtype]
+        err[~self.inexact[lo:hi] | ~np.isfinite(value)] = 0.0
+        return err
+
+    @property
+    def error(self) -> np.ndarray:
+        """:meth:`error_of` every element."""
+        return self.error_of()
 
 
 def _name(dtype: object) -> str:
@@ -147,8 +163,8 @@ def exact_sum(terms: Iterable[np.ndarray], dtype: object, divisor: int = 1, *,
             raise ValueError(f"exact reference: term of dtype {t.dtype}, expected a float")
     # the fast path's criterion needs every term to be a value of a p <= 26 bit dtype
     prec = max(_PREC.get(t.dtype.name, 53) for t in terms)
-    res = ExactResult(np.empty(size), np.empty(size), np.empty(size),
-                      np.zeros(size, dtype=bool))
+    res = ExactResult(np.empty(size), np.empty(size), np.zeros(size, dtype=bool),
+                      np.zeros(size, dtype=bool), name)
     chunk = max(1, int(chunk))
     for lo in range(0, size, chunk):
         hi = min(size, lo + chunk)
@@ -200,12 +216,7 @@ def _chunk(terms: list, lo: int, hi: int, name: str, n: int, prec: int,
     a[over] = np.nan
     if value is not s:
         s[...] = value
-    err = res.error[lo:hi]
-    np.abs(s, out=err)
-    err *= _UNIT[name]
-    err += _UNDER[name]
-    err[~inexact] = 0.0
-    err[~np.isfinite(s)] = 0.0
+    res.inexact[lo:hi] = inexact
 
 
 def _round_fast(s: np.ndarray, n: int, name: str) -> tuple:
