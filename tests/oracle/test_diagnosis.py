@@ -334,6 +334,22 @@ def test_only_the_wrong_rank_is_named():
     assert (d.kind, d.ranks) == ("local_only", [2])
 
 
+def test_one_corrupted_element_is_no_precision_loss():
+    """One element of one rank off by 2^-7 of itself (within what a bf16 reduction may
+    stray, and an error of the size bf16 makes on average over the param): a narrow
+    reduction would stray on most elements, not on one, so the kind is not ``precision``."""
+    spec, _, _ = _case("scale_sum", "all_reduce", 2, 2)
+    grads = _grads(2, 2, 7)
+    good = {q: _reduce(grads, q, _ones(2, 2), 1 / 2) for q in SHAPES}
+    bad = {q: v.copy() for q, v in good.items()}
+    i = int(np.argmax(np.abs(good["a"])))
+    bad["a"][i] *= np.float32(1 + 2 ** -7)
+    report = check(spec, _dumps(spec, grads, "all_reduce", [good, bad]))
+    assert report.failing == ["a"]
+    d = report.diagnoses["a"]
+    assert d.ranks == [1] and d.kind != "precision", d
+
+
 def test_a_bug_in_part_of_the_output_is_fitted_on_the_wrong_elements():
     """gloo's reduce where an all-reduce was meant: rank 1 keeps its own sum (halved) in the
     first half and the full mean in the second: rank 0's contributions are missing there."""
