@@ -1,6 +1,8 @@
-"""The float64 oracle: the exact reference of a gradient sync and how far a correct result
-may be from it (``bound``), reading other implementations' dumps (``dumps``) and checking
-them (``check``). Needs no MPI: it runs wherever the dumps are.
+"""The oracle: the exact reference of a gradient sync (``exact``: each element's sum or mean
+rounded once), how far a correct result may be from it (``bound``), bit-exact inputs
+(``inputs``), reading other implementations' dumps (``dumps``), checking them (``check``,
+``steps``) and saying what went wrong (``diagnose``). Needs no MPI: it runs wherever the
+dumps are.
 
 In another project's tests::
 
