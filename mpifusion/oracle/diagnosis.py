@@ -301,6 +301,8 @@ def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Dia
     if buf.values is None:
         buf.build()
     found = None
+    edge = 0  # elements at one end of an output that the shift does not explain (most)
+    span = None  # [lo, hi) of the buffer positions the explained elements come from
     # the offset comes from the output with the most values to match (not a zero one)
     for rank in sorted(ranks, key=lambda r: -int(np.count_nonzero(case.outputs[r].out))):
         ro = case.outputs[rank]
@@ -311,25 +313,48 @@ def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Dia
             valid = (src >= 0) & (src < buf.values.size)
             if valid.mean() < 0.5:
                 continue
+            match = np.zeros(ro.out.size, dtype=bool)
             s = src[valid]
-            tol = 2 * buf.tol[s] + np.where(np.isfinite(ro.bound), ro.bound, 0)[valid]
+            own = np.broadcast_to(ro.bound, ro.out.shape)  # may be one value for all
+            tol = 2 * buf.tol[s] + np.where(np.isfinite(own), own, 0)[valid]
             with np.errstate(invalid="ignore"):
-                if np.all(np.abs(ro.out[valid] - buf.values[s]) <= tol):
-                    found = d
-                    break
+                match[valid] = np.abs(ro.out[valid] - buf.values[s]) <= tol
+            rest = _end_run(match)
+            if rest is not None and match.sum() >= max(0.75 * valid.sum(), 1):
+                found, edge = d, max(edge, rest)
+                used = src[match]
+                span = (int(used.min()), int(used.max()) + 1) if span is None else (
+                    min(span[0], int(used.min())), max(span[1], int(used.max()) + 1))
+                break
         else:
             return None
     if found is None:
         return None
-    lo = buf.slot + min(case.outputs[r].begin for r in ranks) + found
-    hi = buf.slot + max(case.outputs[r].end for r in ranks) + found
+    lo, hi = span
     from_ = [name for name, a, b in buf.names if name != case.name and a < hi and lo < b]
     where = (f", partly from the neighbour {' and '.join(map(repr, from_))} in the buffer"
              if from_ else " within the param")
+    also = (f"; the {edge} element(s) at one end hold other values (zeros, wrapped or "
+            f"stale data where the shifted read had none)" if edge else "")
     return Diagnosis("shift", f"the right values at the wrong elements: output element i "
-                     f"holds the reference's element i{found:+d}{where} (a flat-buffer "
+                     f"holds the reference's element i{found:+d}{where}{also} (a flat-buffer "
                      f"offset or slice off by {abs(found)} element(s))", list(ranks),
                      offset=found)
+
+
+def _end_run(match: np.ndarray) -> Optional[int]:
+    """How many elements at one end of an output are not explained (0: none), or None
+    when unexplained ones lie elsewhere too: a shifted read (``roll``, a slice padded with
+    zeros) leaves its gap at the start or the end, never in the middle."""
+    bad = np.flatnonzero(~match)
+    if not bad.size:
+        return 0
+    n = match.size
+    if bad[0] == 0 and bad[-1] == bad.size - 1:        # one run at the start
+        return int(bad.size)
+    if bad[-1] == n - 1 and bad[0] == n - bad.size:    # one run at the end
+        return int(bad.size)
+    return None
 
 
 def find_swap(case: ParamCase, ranks: list) -> Optional[Diagnosis]:

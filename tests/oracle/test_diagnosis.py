@@ -350,6 +350,32 @@ def test_one_corrupted_element_is_no_precision_loss():
     assert d.ranks == [1] and d.kind != "precision", d
 
 
+@pytest.mark.parametrize("how", ["roll", "zeros_after", "zeros_before"])
+def test_a_shift_within_the_param_with_other_values_at_one_end(how):
+    """The right values 64 elements off inside the param, the gap at one end filled by
+    ``np.roll`` (wrapped) or zeros (a slice copied into a zeroed buffer): ``shift``, offset
+    +-64, the text naming the unexplained end; garbage in the middle is no shift."""
+    spec, _, _ = _case("scale_sum", "all_reduce", 2, 1)
+    grads = _grads(2, 1, 8)
+    good = {q: _reduce(grads, q, _ones(2, 1), 1 / 2) for q in SHAPES}
+    a = good["a"]
+    moved = {"roll": np.roll(a, -SHIFT),
+             "zeros_after": np.concatenate([a[SHIFT:], np.zeros(SHIFT, np.float32)]),
+             "zeros_before": np.concatenate([np.zeros(SHIFT, np.float32), a[:-SHIFT]])}[how]
+    bad = dict(good, a=moved)
+    report = check(spec, _dumps(spec, grads, "all_reduce", [bad, bad]))
+    d = report.diagnoses["a"]
+    want = -SHIFT if how == "zeros_before" else SHIFT
+    assert (d.kind, d.offset, d.ranks) == ("shift", want, [0, 1]), d
+    # (zeros read from the slot's padding are explained: fewer than SHIFT may be left)
+    assert "element(s) at one end hold other values" in d.text, d.text
+    assert "within the param" in d.text, d.text
+    middle = moved.copy()
+    middle[100:180] = np.float32(3.0)  # a run of wrong values inside: not a shifted read
+    report = check(spec, _dumps(spec, grads, "all_reduce", [dict(good, a=middle)] * 2))
+    assert report.diagnoses["a"].kind != "shift"
+
+
 def test_a_bug_in_part_of_the_output_is_fitted_on_the_wrong_elements():
     """gloo's reduce where an all-reduce was meant: rank 1 keeps its own sum (halved) in the
     first half and the full mean in the second: rank 0's contributions are missing there."""
