@@ -28,9 +28,9 @@ from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
 from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
-from .diagnose import diagnose_failure
 from .inputs import ExactInputCheck, exact_formula, exact_tolerance
-from .exact import ExactSum, exact_sum
+from .diagnose import diagnose_failure
+from .exact import ExactStream
 from .report import CheckReport, CoverageIssue, SyncStats
 
 
@@ -327,8 +327,8 @@ def _bound_over_absolute(exact: Any, **model: Any) -> np.ndarray:
 
 def _read_grad(f: Any, lab: str, key: str, p: Any, grad_dtype: str) -> np.ndarray:
     """An input as a flat array of its grad dtype (zeros where a frozen param has none):
-    kept in that dtype, not float64, since every rank's inputs of a param are held at once
-    for the exact sum. A wider storage must hold values of the grad dtype."""
+    in that dtype, not float64 (no copy when stored so). A wider storage must hold values
+    of the grad dtype."""
     x = read_array(f, lab, key, p.shape, p.dtype, missing_ok=p.stop_gradient, native=True)
     want = as_dtype(grad_dtype)
     if x is None:
@@ -465,27 +465,68 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             report.coarse.append(
                 f"{grad_dtype} grads: the bound ({model.rel:.3g} of sum|x|) is coarser than one "
                 f"of the {nranks * acc} inputs adds on average")
-    glob = ExactSum()  # every rank's inputs, in the grad dtype: summed exactly below
-    digests = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
-    kept: list = []  # per rank, its inputs per micro-step: for the diagnosis of a failure
+    # the exact reference, streamed: one rank's input at a time into running sums, so
+    # memory follows one param's reference, not every rank's inputs of it
+    key = f"out/{p.name}"
+    own_ranks = ([r for r, f in enumerate(files) if r != spec.dst and key in f]
+                 if act == "reduce" else [])
+    results: dict = {}  # rank -> its ErrorStats, merged in rank order at the end
+    seen: dict = {}  # failing rank -> (out, expected, bound, offset): for the diagnosis
+    twins: dict = {}  # (offset, dtype, size, digest of its bytes) -> a failing output kept
+
+    def fold(rank: int, out: np.ndarray, want: Optional[np.ndarray], tol: Optional[np.ndarray],
+             over: np.ndarray, offset: int = 0, ref: Any = None) -> None:
+        """Compare one rank's output; keep it for the diagnosis only when it fails (the
+        same bytes as a failing output already kept: that array). ``want``/``tol`` None:
+        the param's reference and bound at ``offset`` (the diagnosis slices them)."""
+        e, b = ((want, tol) if want is not None
+                else (ref[0][offset:offset + out.size], ref[1][offset:offset + out.size]))
+        rs = ErrorStats(p.name)
+        for lo in range(0, out.size, _COMPARE_CHUNK):  # chunks: bounded temporaries
+            hi = lo + _COMPARE_CHUNK
+            rs.update(out[lo:hi], e[lo:hi], b[lo:hi], rank, overflow=over[lo:hi],
+                      offset=offset + lo)
+        if rs.compared:
+            results[rank] = rs
+        if not rs.ok:
+            digest = (offset, out.dtype.str, out.size,
+                      hashlib.blake2b(_bytes_of(out), digest_size=16).digest())
+            out = twins.setdefault(digest, out)
+            seen[rank] = (out, want, tol, offset)
+
+    # REDUCE off the root (Paddle's rule): each rank's own exact sum, first, so that it is
+    # never held next to the param's reference
+    scaled = spec.average and not reduce_avg
+    for rank in own_ranks:
+        lab, f = labels[rank], files[rank]
+        out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True, native=True)
+        if out is None:
+            continue
+        c = 1.0 / nranks if scaled else 1.0
+        own = _stream_sum(p, grad_dtype, [(rank, lab, f)], acc, nranks if scaled else 1)
+        if report.exact:  # its own exact sum, times 1/n: one product's rounding
+            tol = exact_tolerance(own.value, own.absolute, grad_dtype=grad_dtype,
+                                  nranks=nranks, average=scaled, prescaled=False) + own.error
+        else:
+            tol = own.absolute
+            for lo in range(0, tol.size, _COMPARE_CHUNK):  # written over sum|x|, by chunks
+                hi = lo + _COMPARE_CHUNK
+                tol[lo:hi] = error_bound(tol[lo:hi] * c, grad_dtype=grad_dtype, nranks=1,
+                                         acc_steps=acc, average=scaled,
+                                         ref_error=own.error_of(lo, hi))
+        fold(rank, out.reshape(-1), own.value, tol.reshape(-1), own.overflow)
+        out = own = tol = None  # type: ignore[assignment]
+
+    digests: list = []  # per rank: its inputs' bytes, hashed (are all ranks' inputs the same?)
     exact_in = (ExactInputCheck(p.name, p.numel, grad_dtype, nranks, spec.average)
                 if report.exact else None)  # are the inputs exact in every order?
-    for lab, f in zip(labels, files):
-        digest = hashlib.blake2b(digest_size=16)
-        kept.append([])
-        for k in range(acc):
-            x = _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
-            digest.update(np.ascontiguousarray(x).tobytes())
-            glob.add(x)
-            if exact_in is not None:
-                exact_in.add(x, f"{lab}: in/{p.name}/{k}")
-            kept[-1].append(x)
-        digests.append(digest.digest())
     # the exact sum (mean) rounded once to the grad dtype; its rounding goes into the bound
-    exact = glob.result(grad_dtype, nranks if spec.average else 1)
+    exact = _stream_sum(p, grad_dtype, list(zip(range(nranks), labels, files)), acc,
+                        nranks if spec.average else 1, digests, exact_in)
     ref, absolute, overflow = exact.value, exact.absolute, exact.overflow
     if exact_in is not None:
         exact_in.verify(absolute)
+        exact_in = None
     if p.numel and not np.any(absolute):
         report.notes.append(f"{p.name}: every input is 0, so a result left at 0 without any "
                             f"reduction passes too")
@@ -509,10 +550,9 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     stats = ErrorStats(p.name)
     per_rank: dict = {}
     ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
-    key = f"out/{p.name}"
+    both = (ref_flat, bound_flat)
     use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
     pieces: dict = {}
-    seen: dict = {}  # rank -> (out, expected, bound, offset): for the diagnosis of a failure
     if use_ranges:
         for lab, f, rng in zip(labels, files, ranges):
             if rng is None and key in f:
@@ -521,38 +561,12 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                                 f"rank {given} gives a range: every rank that holds a piece "
                                 f"gives its [begin, end))")
 
-    def fold(rank: int, out: np.ndarray, want: np.ndarray, tol: np.ndarray,
-             over: np.ndarray, offset: int = 0) -> None:
-        rs = ErrorStats(p.name)
-        seen[rank] = (out, want, tol, offset)
-        for lo in range(0, out.size, _COMPARE_CHUNK):  # chunks: bounded temporaries
-            hi = lo + _COMPARE_CHUNK
-            rs.update(out[lo:hi], want[lo:hi], tol[lo:hi], rank, overflow=over[lo:hi],
-                      offset=offset + lo)
-        if rs.compared:
-            per_rank[rank] = rs
-            stats.merge(rs)
-
     for rank, (lab, f) in enumerate(zip(labels, files)):
         if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
             out = read_array(f, lab, key, p.shape, p.dtype, native=True)
-            fold(rank, out.reshape(-1), ref_flat, bound_flat, overflow)
+            fold(rank, out.reshape(-1), None, None, overflow, ref=both)
         elif act == "reduce":
-            # Paddle's rule off the root: the rank keeps its own accumulated grads, scaled by
-            # 1/n like the whole buffer unless the collective averaged (use_reduce_avg)
-            out = read_array(f, lab, key, p.shape, p.dtype, missing_ok=True, native=True)
-            if out is None:
-                continue
-            scaled = spec.average and not reduce_avg
-            c = 1.0 / nranks if scaled else 1.0
-            own = exact_sum(kept[rank], grad_dtype, nranks if scaled else 1)
-            if report.exact:  # its own exact sum, times 1/n: one product's rounding
-                tol = exact_tolerance(own.value, own.absolute, grad_dtype=grad_dtype,
-                                      nranks=nranks, average=scaled, prescaled=False) + own.error
-            else:
-                tol = error_bound(own.absolute * c, grad_dtype=grad_dtype, nranks=1,
-                                  acc_steps=acc, average=scaled, ref_error=own.error)
-            fold(rank, out.reshape(-1), own.value, tol.reshape(-1), own.overflow)
+            continue  # off the root: compared above, against the rank's own sum
         elif use_ranges:
             rng = ranges[rank]
             if rng is None:
@@ -562,8 +576,7 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
             out = read_array(f, lab, key, (end - begin,), p.dtype, missing_ok=begin == end,
                              native=True)
             if out is not None and end > begin:
-                fold(rank, out, ref_flat[begin:end], bound_flat[begin:end],
-                     overflow[begin:end], begin)
+                fold(rank, out, None, None, overflow[begin:end], begin, ref=both)
         else:  # reduce_scatter, Paddle's cut: a slice of the padded slot (padding must be 0)
             piece = slices.piece(p.name, rank)
             lo, hi = piece if piece else (0, 0)
@@ -571,19 +584,66 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                              native=True)
             if out is None or not piece:
                 continue
-            pad = max(hi - p.numel, 0)
-            fold(rank, out, np.concatenate([ref_flat, np.zeros(pad)])[lo:hi],
-                 np.concatenate([bound_flat, np.zeros(pad)])[lo:hi],
-                 np.concatenate([overflow, np.zeros(pad, dtype=bool)])[lo:hi], lo)
+            fold(rank, out, _padded(ref_flat, lo, hi), _padded(bound_flat, lo, hi),
+                 _padded(overflow, lo, hi), lo)
+        out = None  # type: ignore[assignment]
+    for rank in sorted(results):  # rank order, as the report names the first failure
+        per_rank[rank] = results[rank]
+        stats.merge(results[rank])
     if use_ranges:
         report.ranged.append(p.name)
         report.coverage.extend(_coverage(p.name, "out", pieces, p.numel))
     report.stats.append(stats)
     report.rank_stats[p.name] = per_rank
     if not stats.ok:  # what most likely went wrong (advice only: the verdict stands)
+        # the inputs again (they were dropped once summed): only for a failing param
+        inputs = [[_read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype) for k in range(acc)]
+                  for lab, f in zip(labels, files)]
         report.diagnoses[p.name] = diagnose_failure(p, spec, nranks, reduce_avg, ref_flat,
-                                                    bound_flat, kept, seen, per_rank, labels,
+                                                    bound_flat, inputs, seen, per_rank, labels,
                                                     files)
+
+
+def _bytes_of(x: np.ndarray) -> Any:
+    """``x``'s bytes, without a copy when it is contiguous (for a digest)."""
+    x = np.ascontiguousarray(x)
+    return x.view(np.uint8) if x.size else b""
+
+
+def _padded(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``x[lo:hi]`` with zeros past its end (Paddle's padding), only that piece copied."""
+    if hi <= x.size:
+        return x[lo:hi]
+    part = x[min(lo, x.size):]
+    return np.concatenate([part, np.zeros(hi - max(lo, x.size), dtype=x.dtype)])
+
+
+def _stream_sum(p: Any, grad_dtype: str, ranks: list, acc: int, divisor: int,
+                digests: Optional[list] = None, exact_in: Any = None) -> Any:
+    """The exact ``sum / divisor`` of the inputs of ``ranks`` (``(rank, label, file)``),
+    read one at a time and dropped once added (:class:`~.exact.ExactStream`); elements
+    that need the integer path read them again. ``digests`` gets each rank's inputs'
+    digest, ``exact_in`` each input."""
+    stream = ExactStream(p.numel)
+    for _rank, lab, f in ranks:
+        digest = hashlib.blake2b(digest_size=16)
+        for k in range(acc):
+            x = _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
+            if digests is not None:
+                digest.update(_bytes_of(x))
+            if exact_in is not None:
+                exact_in.add(x, f"{lab}: in/{p.name}/{k}")
+            stream.add(x)
+            x = None  # type: ignore[assignment]
+        if digests is not None:
+            digests.append(digest.digest())
+
+    def again() -> Iterable:
+        for _rank, lab, f in ranks:
+            for k in range(acc):
+                yield _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
+
+    return stream.result(grad_dtype, divisor, again, native=True)
 
 
 def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -642,3 +702,4 @@ def _check_gather(report: CheckReport, p: Any, act: str, labels: list, files: li
             stats.ranks.append(rank)
     report.coverage.extend(_coverage(p.name, "shard", pieces, numel))
     report.sync.append(stats)
+

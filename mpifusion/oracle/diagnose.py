@@ -525,27 +525,34 @@ def diagnose_failure(p: Any, spec: Any, nranks: int, reduce_avg: bool, reference
                      bound: np.ndarray, inputs: list, seen: dict, per_rank: dict,
                      labels: list, files: list) -> Diagnosis:
     """The diagnosis ``check`` records for a failing param, from what it has at hand:
-    ``inputs[rank][k]``, ``seen[rank] = (out, expected, bound, offset)`` of each output it
-    compared, ``per_rank`` its ErrorStats. Never raises: a diagnosis that cannot be made is
+    ``inputs[rank][k]``, ``seen[rank] = (out, expected, bound, offset)`` of each failing
+    output (``expected``/``bound`` None: the param's ``reference``/``bound`` from ``offset``;
+    ranks with the same output may share one array, converted to float64 once),
+    ``per_rank`` its ErrorStats. Never raises: a diagnosis that cannot be made is
     ``unexplained`` (the verdict does not depend on it)."""
     failing = sorted(r for r, s in per_rank.items() if not s.ok)
     try:
         grad_dtype = dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
-        outputs = {}
+        reference = np.asarray(reference, dtype=np.float64).reshape(-1)
+        bound = np.asarray(bound, dtype=np.float64).reshape(-1)
+        outputs, wide = {}, {}  # wide: id of an output array -> its float64 copy
         for rank, (out, want, tol, offset) in seen.items():
-            out = np.asarray(out, dtype=np.float64).reshape(-1)
+            if id(out) not in wide:
+                wide[id(out)] = (out, np.asarray(out, dtype=np.float64).reshape(-1))
+            out = wide[id(out)][1]
+            lo, hi = int(offset), int(offset) + out.size
             outputs[rank] = RankOutput(
-                out, int(offset), int(offset) + out.size,
-                np.asarray(want, dtype=np.float64).reshape(-1),
-                np.asarray(tol, dtype=np.float64).reshape(-1),
+                out, lo, hi,
+                reference[lo:hi] if want is None else np.asarray(want, np.float64).reshape(-1),
+                bound[lo:hi] if tol is None else np.asarray(tol, np.float64).reshape(-1),
                 own=spec.act == "reduce" and rank != spec.dst, stats=per_rank.get(rank))
+        wide = {}
         layout = next((buf.layout for buf in spec.plan(nranks)
                        if any(q.name == p.name for q in buf.params)), None)
         case = ParamCase(
             p.name, grad_dtype, nranks, spec.acc_steps, spec.act, bool(spec.average),
             [[np.asarray(x).reshape(-1) for x in xs] for xs in inputs],  # no float64 copy
-            outputs, failing, np.asarray(reference, dtype=np.float64).reshape(-1),
-            np.asarray(bound, dtype=np.float64).reshape(-1), dst=spec.dst,
+            outputs, failing, reference, bound, dst=spec.dst,
             reduce_avg=reduce_avg, layout=layout,
             others={q.name: q.numel for q in spec.fused_params()},
             reference_of=references_from_dumps(spec, nranks, labels, files))

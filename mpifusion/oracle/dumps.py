@@ -25,10 +25,13 @@ from .bound import as_float64, as_native
 MAX_HEADER_BYTES = 10000
 #: deflate expands at most ~1032-fold; a member declaring more is not a real .npy
 MAX_DEFLATE_RATIO = 1100
-#: work arrays per element while one param is checked: the exact reference, sum|x| (then
-#: the bound), the reference's rounding error and the marks, 4 float64 (comparisons run in
-#: 1M-element chunks). The inputs and outputs a check holds are counted as they are read:
-#: each member's check compares with the memory still available then.
+#: work arrays per element while one param is checked (``ExactStream``): the running
+#: float64 sum and sum|x| and the smallest |x| (float32), then the reference in the grad
+#: dtype and two byte marks: 26 bytes for fp32 grads, 34 for fp64 ones, rounded up to 4
+#: float64 (comparisons run in 1M-element chunks). The inputs are read one at a time and
+#: counted as they are read (each member's check compares with the memory available then);
+#: elements that fail the fast path's proof (fp64 grads, exponents far apart) add their
+#: gathered terms, at most half the inputs' bytes a batch.
 CHECK_BYTES_PER_ELEMENT = 4 * 8
 #: bytes read per chunk when copying a member's data into its array
 _CHUNK = 16 << 20

@@ -28,7 +28,7 @@ nonzero sum that rounds to 0 keeps its sign.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from typing import Any, Iterable, List, Optional
 
 import numpy as np
 
@@ -55,6 +55,7 @@ class ExactResult:
     """What :func:`exact_sum` gives per element (flat float64/bool arrays)."""
 
     value: np.ndarray     # RN_even(sum / divisor) in the target dtype, held as float64
+    #                       (or in that dtype itself: ExactStream.result(native=True))
     absolute: np.ndarray  # float64 sum|x| (for the bound): inf where an input is Inf/NaN,
     #                       NaN where it overflows (or the value does) with finite inputs
     inexact: np.ndarray   # the value is not the exact sum / divisor (it was rounded)
@@ -65,7 +66,7 @@ class ExactResult:
         """A bound on ``|exact - value|`` over ``[lo, hi)``: 0 where the value is exact,
         else ``u(dtype)|value| + underflow(dtype)`` (at least half an ulp). Kept as the
         ``inexact`` marks (a byte per element) and formed on demand, a chunk at a time."""
-        value = self.value[lo:hi]
+        value = np.asarray(self.value[lo:hi], dtype=np.float64)  # held natively, maybe
         err = np.abs(value)
         err *= _UNIT[self.dtype]
         err += _UNDER[self.dtype]
@@ -150,11 +151,7 @@ def exact_sum(terms: Iterable[np.ndarray], dtype: object, divisor: int = 1, *,
     terms = [np.asarray(t).reshape(-1) for t in terms]
     if not terms:
         raise ValueError("exact reference: expected at least one term")
-    if isinstance(divisor, bool) or not isinstance(divisor, (int, np.integer)) \
-            or not 0 < int(divisor) < 2 ** 26:
-        raise ValueError(f"exact reference: divisor {divisor!r}: expected an int in "
-                         f"1 .. 2^26 - 1")
-    divisor = int(divisor)
+    divisor = _divisor(divisor)
     size = terms[0].size
     for t in terms:
         if t.size != size:
@@ -170,6 +167,15 @@ def exact_sum(terms: Iterable[np.ndarray], dtype: object, divisor: int = 1, *,
         hi = min(size, lo + chunk)
         _chunk(terms, lo, hi, name, divisor, prec, res)
     return res
+
+
+def _divisor(divisor: object) -> int:
+    """``divisor`` as a positive int below 2^26 (ValueError otherwise)."""
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, np.integer)) \
+            or not 0 < int(divisor) < 2 ** 26:
+        raise ValueError(f"exact reference: divisor {divisor!r}: expected an int in "
+                         f"1 .. 2^26 - 1")
+    return int(divisor)
 
 
 def _chunk(terms: list, lo: int, hi: int, name: str, n: int, prec: int,
@@ -362,3 +368,136 @@ def _normalize(limbs: np.ndarray) -> None:
         carry = limbs[k] >> 32
         limbs[k] &= _MASK32
         limbs[k + 1] += carry
+
+
+class ExactStream:
+    """The exact reference with one term in memory at a time: a check reads one rank's input,
+    adds it here and drops it, so memory follows one param, not every rank's inputs of it.
+
+    ``add(x)`` folds a term into running float64 accumulators, a chunk at a time: the sum,
+    ``sum|x|`` and, for the fast path's proof, the smallest nonzero ``|x|`` (held in float32:
+    a value of a p <= 24 bit term is one exactly). :meth:`result` rounds the proven elements
+    and hands the rest (exponents far apart, fp64 terms, Inf/NaN) to the integer path, which
+    needs every term of those elements: ``terms()`` yields the terms again, in the order they
+    were added (re-read from the files), and only those elements' values are kept, in batches
+    of at most half the terms' bytes. Same results as :func:`exact_sum`, bit for bit.
+    """
+
+    def __init__(self, size: int, chunk: int = CHUNK) -> None:
+        self.size, self._chunk = int(size), max(1, int(chunk))
+        self._sum: Optional[np.ndarray] = None
+        self._abs: Optional[np.ndarray] = None
+        self._min: Optional[np.ndarray] = None   # smallest nonzero |x| (fast path only)
+        self._prec = 0
+        self._count = 0
+        self._bytes = 0                            # the terms' bytes, for the batch size
+
+    def add(self, x: np.ndarray) -> None:
+        """Fold one term (a float array of ``size`` elements) into the accumulators."""
+        x = np.asarray(x).reshape(-1)
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            raise ValueError(f"exact reference: term of dtype {x.dtype}, expected a float")
+        if x.size != self.size:
+            raise ValueError(f"exact reference: terms of {x.size} and {self.size} elements")
+        self._prec = max(self._prec, _PREC.get(x.dtype.name, 53))
+        self._bytes += x.nbytes
+        first = self._sum is None
+        if first:
+            self._sum, self._abs = np.empty(self.size), np.empty(self.size)
+            if self._prec <= 24:
+                self._min = np.empty(self.size, dtype=np.float32)
+        if self._prec > 24:
+            self._min = None                       # no fast path: its proof is not needed
+        s, a, m = self._sum, self._abs, self._min
+        tmp = np.empty(min(self._chunk, self.size))
+        with np.errstate(over="ignore", invalid="ignore"):
+            for lo in range(0, self.size, self._chunk):
+                hi = min(self.size, lo + self._chunk)
+                t = tmp[:hi - lo]
+                np.copyto(t, x[lo:hi], casting="unsafe")
+                if first:
+                    s[lo:hi] = t
+                else:
+                    s[lo:hi] += t
+                np.abs(t, out=t)
+                if first:
+                    a[lo:hi] = t
+                    if m is not None:
+                        m[lo:hi] = np.where(t > 0, t, np.inf)
+                else:
+                    a[lo:hi] += t
+                    if m is not None:
+                        np.minimum(m[lo:hi], t, out=m[lo:hi], where=t > 0)
+        self._count += 1
+
+    def result(self, dtype: object, divisor: int = 1, terms: Optional[Any] = None, *,
+               native: bool = False) -> ExactResult:
+        """The exactly rounded ``sum / divisor`` in ``dtype``. ``terms``: a callable giving
+        the added terms again, in order (needed only when some element fails the fast
+        path's proof). ``native``: the value held in ``dtype`` itself (float16, bfloat16,
+        float32: it is a value of that dtype, exactly) rather than float64. The
+        accumulators are released."""
+        name = _name(dtype)
+        if not self._count:
+            raise ValueError("exact reference: expected at least one term")
+        n = _divisor(divisor)
+        s, a, m = self._sum, self._abs, self._min
+        self._sum = self._min = self._abs = None
+        held = as_dtype(name) if native and name != "float64" else np.dtype(np.float64)
+        res = ExactResult(np.empty(self.size, dtype=held), a, np.zeros(self.size, dtype=bool),
+                          np.zeros(self.size, dtype=bool), name)
+        fast_ok = self._prec <= 26 and name != "float64" and m is not None
+        slow_parts = []
+        with np.errstate(over="ignore", invalid="ignore"):
+            for lo in range(0, self.size, self._chunk):
+                hi = min(self.size, lo + self._chunk)
+                if fast_ok:
+                    bound = m[lo:hi].astype(np.float64)
+                    bound *= 2.0 ** (52 - self._prec)
+                    fast = a[lo:hi] <= bound       # False for inf/NaN: the integer path
+                    value, inexact = _round_fast(s[lo:hi], n, name)
+                    fast &= np.isfinite(value)
+                    res.value[lo:hi] = value
+                    res.inexact[lo:hi] = inexact
+                    slow = np.flatnonzero(~fast)
+                else:
+                    slow = np.arange(hi - lo)
+                if slow.size:
+                    slow_parts.append(slow + lo)
+        s = m = None
+        slow = np.concatenate(slow_parts) if slow_parts else np.zeros(0, dtype=np.int64)
+        slow_parts = []
+        if slow.size:
+            if terms is None:
+                raise ValueError("exact reference: some elements need the integer path, "
+                                 "which needs the terms again (terms=None)")
+            # float64 rows of every term, half the terms' bytes a batch at most
+            batch = max(self._chunk, (self._bytes // 2) // (8 * self._count))
+            for lo in range(0, slow.size, batch):
+                idx = slow[lo:lo + batch]
+                sub = np.empty((self._count, idx.size))
+                i = 0
+                for t in terms():
+                    if i >= self._count:
+                        raise ValueError("exact reference: terms() gave more terms than "
+                                         "were added")
+                    np.copyto(sub[i], np.asarray(t).reshape(-1)[idx], casting="unsafe")
+                    i += 1
+                if i != self._count:
+                    raise ValueError(f"exact reference: terms() gave {i} of the "
+                                     f"{self._count} terms added")
+                v, inx, special, ovf = _integer_path(sub, name, n)
+                sub = None
+                res.value[idx] = v
+                res.inexact[idx] = inx
+                a[idx[special]] = np.inf            # |NaN| counts as inf, as before
+                res.overflow[idx] = ovf
+        with np.errstate(over="ignore", invalid="ignore"):
+            for lo in range(0, self.size, self._chunk):
+                hi = min(self.size, lo + self._chunk)
+                over = res.overflow[lo:hi]
+                ac = a[lo:hi]
+                over |= np.isnan(ac)
+                over |= np.isinf(ac) & np.isfinite(res.value[lo:hi])
+                ac[over] = np.nan
+        return res
