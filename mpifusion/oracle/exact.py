@@ -21,6 +21,11 @@ How, per chunk of elements (vectorized numpy, memory bounded by the chunk):
   sticky), and the top 64 bits plus a sticky bit are rounded to nearest even at the
   target's precision (subnormals included; past the largest finite value: overflow).
 
+:func:`exact_sum` holds every term; :class:`ExactStream` (what ``check`` uses) holds one:
+it keeps the fast path's running sums and proof, and reads the terms again only for the
+elements that take the integer path, so a check's memory follows one param, not every
+rank's inputs of it.
+
 Special values follow IEEE: a NaN, or both infinities, give NaN; one sign of infinity gives
 that infinity. An exact 0 is ``+0`` unless every term is ``-0`` (as IEEE addition gives); a
 nonzero sum that rounds to 0 keeps its sign.
