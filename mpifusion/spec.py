@@ -297,3 +297,16 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     except RecursionError:
         raise SpecError("not valid JSON: nested too deeply", source=source) from None
     return Spec.from_dict(data, source=source)
+
+
+def as_spec(spec: Any) -> Spec:
+    """A :class:`Spec` from a Spec, a dict (the JSON layout) or a JSON path: the one rule
+    every entry point that takes "a spec" follows."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, Mapping):
+        return Spec.from_dict(dict(spec), source="<spec dict>")
+    if isinstance(spec, (str, os.PathLike)):
+        return load_spec(spec)
+    raise SpecError(f"expected a Spec, a dict or the path of a JSON spec, got "
+                    f"{type(spec).__name__}")

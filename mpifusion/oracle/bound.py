@@ -180,14 +180,7 @@ def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
     """A float64 copy of ``arr``; raw 2-byte void/uint16 data is read as bfloat16 bits when
     ``dtype_hint`` says bfloat16 (numpy's .npz cannot name the bfloat16 dtype), and refused
     otherwise (the same bytes are other numbers in fp16)."""
-    arr = np.asarray(arr)
-    dt = arr.dtype
-    if dt.name != "bfloat16" and dt.itemsize == 2 and (dt.kind == "V" or dt == np.uint16):
-        if dtype_hint != "bfloat16":
-            raise ValueError(f"raw 2-byte values ({dt}) are read as bfloat16 bits only for a "
-                             f"bfloat16 param, not {dtype_hint}")
-        arr = arr.view(as_dtype("bfloat16"))
-    return arr.astype(np.float64)
+    return as_native(arr, dtype_hint).astype(np.float64)
 
 
 def _worst(a: float, b: float) -> float:

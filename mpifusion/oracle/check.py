@@ -26,6 +26,7 @@ import numpy as np
 
 from ..dtypes import as_dtype, dtype_name
 from ..plan.grouping import grad_dtype_for
+from ..spec import as_spec
 from .bound import ErrorStats, bound_model, error_bound
 from .dumps import DumpError, DumpFile, rank_files, read_array
 from .inputs import ExactInputCheck, exact_formula, exact_tolerance
@@ -89,22 +90,6 @@ def _int_pair(f: Any, label: str, key: str) -> tuple:
         raise _bad_range(label, key, dtype, shape)
     arr = f[key]
     return int(arr[0]), int(arr[1])
-
-
-def as_spec(spec: Any) -> Any:
-    """A :class:`~mpifusion.spec.Spec` from a Spec, a dict (the JSON layout) or a JSON path."""
-    from ..spec import Spec, load_spec
-
-    if isinstance(spec, Spec):
-        return spec
-    if isinstance(spec, Mapping):
-        return Spec.from_dict(dict(spec), source="<spec dict>")
-    if isinstance(spec, (str, os.PathLike)):
-        return load_spec(spec)
-    from ..spec import SpecError
-
-    raise SpecError(f"expected a Spec, a dict or the path of a JSON spec, got "
-                    f"{type(spec).__name__}")
 
 
 def _open_dumps(dumps: Any, nranks: Optional[int]) -> tuple:

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ..dtypes import as_dtype, dtype_name
 from ..errors import OptionError
 from ..plan.grouping import grad_dtype_for
+from ..spec import as_spec
 from .bound import unit_roundoff
 from .dumps import DumpError
 
@@ -51,21 +51,6 @@ _E_RANGE = (-24, 8)
 _MASK64 = (1 << 64) - 1
 #: elements generated at a time (a few tens of MiB of temporaries)
 CHUNK = 1 << 20
-
-
-def _spec_of(spec: Any) -> Any:
-    """A Spec from a Spec, a dict or a JSON path (``check.as_spec``'s rule; check imports
-    this module, so it is not imported from there)."""
-    from ..spec import Spec, SpecError, load_spec
-
-    if isinstance(spec, Spec):
-        return spec
-    if isinstance(spec, Mapping):
-        return Spec.from_dict(dict(spec), source="<spec dict>")
-    if isinstance(spec, (str, os.PathLike)):
-        return load_spec(spec)
-    raise SpecError(f"expected a Spec, a dict or the path of a JSON spec, got "
-                    f"{type(spec).__name__}")
 
 
 def _int(value: Any, what: str, lo: int, hi: Optional[int] = None) -> int:
@@ -278,7 +263,7 @@ def _window(param_dtype: str, grad_dtype: str, nranks: int, name: str) -> tuple:
 def exact_pattern(spec: Any, name: str, *, seed: int = 0) -> ExactPattern:
     """The :class:`ExactPattern` of param ``name`` (a fused param of ``spec``, which must
     give ``nranks``): what :func:`exact_inputs` feeds and how to decode a result."""
-    spec = _spec_of(spec)
+    spec = as_spec(spec)
     seed = _int(seed, "seed", 0)
     if spec.nranks is None:
         raise OptionError("nranks: exact inputs need the spec's nranks (contribution "
@@ -304,7 +289,7 @@ def exact_inputs(spec: Any, rank: int, step: int, *, seed: int = 0) -> dict:
     sum over ranks and micro-steps, in any order, is exact in the grad dtype, so a correct
     sync matches ``check(..., exact=True)`` bit for bit. Deterministic in (spec, rank, step,
     seed); vary ``seed`` between training steps."""
-    spec = _spec_of(spec)
+    spec = as_spec(spec)
     pats = [exact_pattern(spec, p.name, seed=seed) for p in spec.fused_params()]
     rank = _int(rank, "rank", 0, spec.nranks)
     step = _int(step, "step (the micro-step)", 0, spec.acc_steps)
@@ -318,7 +303,7 @@ def exact_inputs(spec: Any, rank: int, step: int, *, seed: int = 0) -> dict:
 def exact_sum(spec: Any, name: str, *, seed: int = 0) -> tuple:
     """``(sum, sum|x|)`` of param ``name`` over every rank and micro-step of
     :func:`exact_inputs` (float64, exact, param shape): the sum a correct sync holds."""
-    spec = _spec_of(spec)
+    spec = as_spec(spec)
     pat = exact_pattern(spec, name, seed=seed)
     shape = next(p.shape for p in spec.fused_params() if p.name == name)
     total, absolute = pat.total()
