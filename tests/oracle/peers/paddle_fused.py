@@ -26,12 +26,7 @@ import sys
 
 import numpy as np
 
-
-def _rank() -> int:
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+from peer_common import launcher_rank
 
 
 def main() -> int:
@@ -43,7 +38,7 @@ def main() -> int:
                         "to run, and nothing else (default: every case)")
     args = parser.parse_args()
     wanted = set(filter(None, args.cases.split(",")))
-    rank, n = _rank(), args.nranks
+    rank, n = launcher_rank(), args.nranks
     eps = [f"127.0.0.1:{args.port + r}" for r in range(n)]
     os.environ.update(PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(n),
                       PADDLE_TRAINER_ENDPOINTS=",".join(eps), PADDLE_CURRENT_ENDPOINT=eps[rank],

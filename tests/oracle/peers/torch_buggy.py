@@ -33,14 +33,9 @@ import os
 import sys
 from contextlib import nullcontext
 
+from peer_common import init_gloo, launcher_rank, tiny_model_class
+
 ACC = 2  # micro-steps of every case
-
-
-def _rank() -> int:
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
 
 
 def main() -> int:
@@ -55,20 +50,10 @@ def main() -> int:
 
     from mpifusion.capture import TorchCapture
 
-    rank, world = _rank(), args.nranks
-    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(args.out)}/rendezvous",
-                            rank=rank, world_size=world)
+    rank, world = launcher_rank(), args.nranks
+    init_gloo(args.out, rank, world)
 
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(17, 257)
-            self.norm = nn.LayerNorm(257)
-            self.fc2 = nn.Linear(257, 31)
-            self.head = nn.Linear(31, 3)
-
-        def forward(self, x):
-            return self.head(self.fc2(self.norm(self.fc1(x).relu())).tanh())
+    Tiny = tiny_model_class()
 
     class Blocks(nn.Module):
         """Two middle blocks of one shape, between a stem and a head of other shapes."""

@@ -19,12 +19,7 @@ import json
 import os
 import sys
 
-
-def _rank() -> int:
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+from peer_common import init_gloo, launcher_rank, tiny_model_class
 
 
 def main() -> int:
@@ -38,20 +33,10 @@ def main() -> int:
 
     from mpifusion.capture import TorchCapture
 
-    rank, n = _rank(), args.nranks
-    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(args.out)}/rendezvous",
-                            rank=rank, world_size=n)
+    rank, n = launcher_rank(), args.nranks
+    init_gloo(args.out, rank, n)
 
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(17, 257)
-            self.norm = nn.LayerNorm(257)
-            self.fc2 = nn.Linear(257, 31)
-            self.head = nn.Linear(31, 3)
-
-        def forward(self, x):
-            return self.head(self.fc2(self.norm(self.fc1(x).relu())).tanh())
+    Tiny = tiny_model_class()
 
     def save(case, cap, spec):
         d = os.path.join(args.out, case)

@@ -1,0 +1,41 @@
+"""What the peer scripts share: the rank the launcher gave (before any framework starts),
+gloo's start-up over a rendezvous file, and the small torch model most cases train."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def launcher_rank() -> int:
+    """This process's rank from MPICH's, Open MPI's or PMIx's environment (0 alone)."""
+    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def init_gloo(out: str, rank: int, world: int) -> None:
+    """torch.distributed over gloo, meeting in a file under ``out`` (no port to find)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.abspath(out)}/rendezvous",
+                            rank=rank, world_size=world)
+
+
+def tiny_model_class() -> Any:
+    """The peers' torch model: params of awkward sizes (17x257, a LayerNorm, 3 outputs), so
+    the flat layouts have padding and the pieces are uneven."""
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(17, 257)
+            self.norm = nn.LayerNorm(257)
+            self.fc2 = nn.Linear(257, 31)
+            self.head = nn.Linear(31, 3)
+
+        def forward(self, x):
+            return self.head(self.fc2(self.norm(self.fc1(x).relu())).tanh())
+
+    return Tiny
