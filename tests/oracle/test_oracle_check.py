@@ -658,20 +658,24 @@ def test_float64_sum_in_another_rank_order_passes():
     report = check(spec_of("float64", 4, shape=(1,)),
                    [{"in/w/0": np.array([v]), "out/w": np.array([out])} for v in x])
     assert report.ok, report
-    # every permutation of a 4-rank sum, on values built to round both ways
+    # every permutation of a 4-rank sum, on values built to round both ways: one element
+    # per (value set, order), so each element is its own case and one check covers them all
     rng = np.random.default_rng(7)
     import itertools
 
+    sets, orders = [], list(itertools.permutations(range(4)))
     for _ in range(200):
         v = [1.0] + [float(rng.choice([-1, 1]) * 2.0 ** -53 * rng.choice([1, 2, 3])
                            * (1 + int(rng.integers(-3, 4)) * 2.0 ** -50)) for _ in range(3)]
         rng.shuffle(v)
-        for avg in (False, True):
-            spec = spec_of("float64", 4, shape=(1,), average=avg)
-            for order in itertools.permutations(range(4)):
-                out = _sequential(v, order) * (0.25 if avg else 1.0)
-                recs = [{"in/w/0": np.array([a]), "out/w": np.array([out])} for a in v]
-                assert check(spec, recs).ok, (v, order, avg)
+        sets.append(v)
+    cases = [(v, order) for v in sets for order in orders]
+    ins = np.array([v for v, _ in cases])  # element i: rank r's input v[r]
+    for avg in (False, True):
+        spec = spec_of("float64", 4, shape=(len(cases),), average=avg)
+        out = np.array([_sequential(v, order) * (0.25 if avg else 1.0) for v, order in cases])
+        report = check(spec, [{"in/w/0": ins[:, r].copy(), "out/w": out} for r in range(4)])
+        assert report.ok, (avg, str(report))
 
 
 def test_one_rank_one_step_sum_is_still_bit_exact():
