@@ -10,7 +10,6 @@ drifts on a shared machine hits all of them alike.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from typing import Callable, Dict, List
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from mpifusion.arrays import halfcast
 from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.machine import cpu_model
 
 
 def _time(fn: Callable[[], object], repeat: int) -> float:
@@ -29,16 +29,6 @@ def _time(fn: Callable[[], object], repeat: int) -> float:
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -86,7 +76,7 @@ def main() -> None:
             times[k].append(t[k])
             ratios[k].append(t[k] / t["memcpy fp32"])
     print(f"# {n} elements ({n * 4 / 2**20:.1f} MiB fp32), {args.rounds} rounds x "
-          f"{args.repeat} calls; halfcast path: {halfcast.path()}; {_cpu()}; "
+          f"{args.repeat} calls; halfcast path: {halfcast.path()}; {cpu_model()}; "
           f"numpy {np.__version__}")
     print(f"| cast | ms (median) | / memcpy (median, min-max over rounds) |")
     print("| --- | --- | --- |")

@@ -29,6 +29,7 @@ from typing import Dict, List
 
 import numpy as np
 
+from mpifusion.machine import cpu_model
 from mpifusion.spec import Spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,16 +62,6 @@ print(json.dumps({"seconds": seconds, "cpu": cpu, "ok": bool(ok), "peak_kib": pe
                   "base_kib": base}))
 """
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _write_member(zf: zipfile.ZipFile, key: str, arr: np.ndarray) -> None:
@@ -177,7 +168,7 @@ def main() -> None:
         largest = max(spec.params, key=lambda p: p.numel)
         limit = largest.numel * (args.ranks * 4 + 8)
         print()
-        print(f"machine: {_cpu()}, {os.cpu_count()} CPUs, "
+        print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs, "
               f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2 ** 30:.0f} GiB; "
               f"numpy {np.__version__}, Python {platform.python_version()}")
         print(f"workload: {args.preset} fp32, {len(spec.params)} params, {args.ranks} ranks, "

@@ -315,8 +315,7 @@ def find_shift(case: ParamCase, buf: ReducedBuffer, ranks: list) -> Optional[Dia
                 continue
             match = np.zeros(ro.out.size, dtype=bool)
             s = src[valid]
-            own = np.broadcast_to(ro.bound, ro.out.shape)  # may be one value for all
-            tol = 2 * buf.tol[s] + np.where(np.isfinite(own), own, 0)[valid]
+            tol = 2 * buf.tol[s] + np.where(np.isfinite(ro.bound), ro.bound, 0)[valid]
             with np.errstate(invalid="ignore"):
                 match[valid] = np.abs(ro.out[valid] - buf.values[s]) <= tol
             rest = _end_run(match)

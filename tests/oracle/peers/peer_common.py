@@ -39,3 +39,14 @@ def tiny_model_class() -> Any:
             return self.head(self.fc2(self.norm(self.fc1(x).relu())).tanh())
 
     return Tiny
+
+
+def save_case(out: str, case: str, cap: Any, spec: dict, rank: int) -> None:
+    """``OUT/{case}/rank{r}.npz`` from every rank and, from rank 0, ``OUT/{case}/spec.json``."""
+    import json
+
+    d = os.path.join(out, case)
+    cap.save(d)
+    if rank == 0:
+        with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
+            json.dump(spec, f)

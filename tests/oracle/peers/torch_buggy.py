@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from contextlib import nullcontext
 
-from peer_common import init_gloo, launcher_rank, tiny_model_class
+from peer_common import init_gloo, launcher_rank, save_case, tiny_model_class
 
 ACC = 2  # micro-steps of every case
 
@@ -75,11 +74,7 @@ def main() -> int:
         return cls()
 
     def save(case, cap, spec):
-        d = os.path.join(args.out, case)
-        cap.save(d)
-        if rank == 0:
-            with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
-                json.dump(spec, f)
+        save_case(args.out, case, cap, spec, rank)
 
     def backward(model, k):
         """Micro-step ``k``'s forward and backward on this rank's own data (17 in, 3 out)."""

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
-from peer_common import init_gloo, launcher_rank, tiny_model_class
+from peer_common import init_gloo, launcher_rank, save_case, tiny_model_class
 
 
 def main() -> int:
@@ -39,11 +38,7 @@ def main() -> int:
     Tiny = tiny_model_class()
 
     def save(case, cap, spec):
-        d = os.path.join(args.out, case)
-        cap.save(d)
-        if rank == 0:
-            with open(os.path.join(d, "spec.json"), "w", encoding="utf-8") as f:
-                json.dump(spec, f)
+        save_case(args.out, case, cap, spec, rank)
 
     def corrupt(grad):
         local = grad.to_local() if hasattr(grad, "to_local") else grad
