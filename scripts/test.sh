@@ -107,6 +107,12 @@ RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/mpifusion-test.XXXXXX")
 export MPIFUSION_SKIP_LOG=$RUN_DIR/outcomes
 # Every process of this run carries the token; the end check finds any that outlived it.
 export MPIFUSION_TEST_RUN=${RUN_DIR##*.}
+# Each module compiled once per run, into the run's own folder (removed at the end), not once
+# per process: with PYTHONDONTWRITEBYTECODE set (as on many CI images) every pytest process
+# rewrote and compiled all its test modules again, 1.7 s of CPU of a 3.4 s collection per
+# rank, times 31 ranks in the MPI phases, plus every job the serial tests start.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=$RUN_DIR/pycache
 "$PYTHON" tests/leftovers.py snapshot "$RUN_DIR/before.json"
 
 # Every phase runs even after one failed (CI shows all failures at once); the exit status is
@@ -134,6 +140,10 @@ phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time, CPU and 
 }
 finish() {
   local rc=$? cpu
+  if [ -n "${OMPI_LANE_PID:-}" ] && kill -0 "$OMPI_LANE_PID" 2>/dev/null; then
+    pkill -KILL -P "$OMPI_LANE_PID" 2>/dev/null || true  # stopped early: end the Open MPI lane
+    FAILED+=("openmpi lane (stopped)")
+  fi
   child_cpu cpu
   echo "=== times (CPU: user + system of the phase's processes)"
   printf '%s\n' "${TIMES[@]}"
@@ -160,11 +170,32 @@ done
 # and collective code paths, which an even and an odd size and the large size cover; at 4
 # ranks the same tests run as at 8 (the same skips), and MPICH runs them at 4 as well. It
 # cost 33 s (67 s of CPU) of a 700 s run; MPIFUSION_OPENMPI_RANKS="2 3 4 8" adds it back.
-if [ -n "$OMPI_PY" ]; then
+#
+# They run beside the serial phase (MPIFUSION_OPENMPI_BESIDE=0: after it), their output kept
+# in a file and shown when they end: the serial phase waits about a quarter of its time (Slurm
+# jobs, deadlines, process start-ups), and Open MPI's waiting ranks give their core away when
+# oversubscribed (MPICH's spin, so its phases run alone, first). Measured in BENCHMARKS.md.
+openmpi_phases() {
   for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 8}; do
     phase "openmpi-n$n" timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" \
       --oversubscribe -n "$n" "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
   done
+}
+OMPI_LANE=
+if [ -n "$OMPI_PY" ]; then
+  if [ "${MPIFUSION_OPENMPI_BESIDE:-1}" = 0 ]; then
+    openmpi_phases "$@"
+  else
+    echo "=== openmpi-n${MPIFUSION_OPENMPI_RANKS:-2 3 8}: beside the serial phase (output below when done)"
+    OMPI_LANE=$RUN_DIR/openmpi
+    # a subshell: its own TIMES/FAILED and `times`, written out for this shell to merge
+    ( trap - EXIT
+      TIMES=() FAILED=()
+      openmpi_phases "$@" >"$OMPI_LANE.log" 2>&1
+      printf '%s\n' "${TIMES[@]}" >"$OMPI_LANE.times"
+      printf '%s\n' "${FAILED[@]+"${FAILED[@]}"}" >"$OMPI_LANE.failed" ) &
+    OMPI_LANE_PID=$!
+  fi
 fi
 # The serial tests in parallel processes (pytest-xdist), one file per process at a time: many
 # of them start mpiexec jobs and wait on them. 2 workers took the phase from 502 s to 338 s
@@ -181,6 +212,14 @@ sys.exit(tuple(int(x) for x in m.version("pytest-xdist").split(".")[:2]) < (3, 8
     keep_order=--no-loadscope-reorder
   phase serial "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile ${keep_order:+"$keep_order"} \
     "$@" tests
+fi
+if [ -n "$OMPI_LANE" ]; then
+  wait "$OMPI_LANE_PID" || FAILED+=("openmpi lane")
+  echo "=== Open MPI phases (ran beside the serial phase)"
+  cat "$OMPI_LANE.log"
+  mapfile -t lane_times <"$OMPI_LANE.times"
+  TIMES+=("${lane_times[@]}")
+  while read -r label; do [ -z "$label" ] || FAILED+=("$label"); done <"$OMPI_LANE.failed"
 fi
 echo "=== skips of every run"
 # A test that no run's rank count can reach fails the run, unless the rank counts were
