@@ -40,8 +40,9 @@ TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
 
-STRATEGIES = ("thread", "nonblocking")
-#: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking``.
+STRATEGIES = ("thread", "nonblocking", "shm")
+#: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking`` (never
+#: ``shm`` yet: it is chosen explicitly).
 DEFAULT_STRATEGY = "auto"
 #: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
 #: ``thread`` strategy's default segment size is the machine's (``machine.segment_for``).
@@ -73,7 +74,8 @@ def parse_bool(value: Any, what: str) -> bool:
 
 def parse_strategy(value: Any, what: str = "strategy") -> str:
     key = str(value).strip().lower().replace("_", "").replace("-", "")
-    key = {"nb": "nonblocking", "plain": "nonblocking", "threaded": "thread"}.get(key, key)
+    key = {"nb": "nonblocking", "plain": "nonblocking", "threaded": "thread",
+           "shared": "shm", "sharedmemory": "shm"}.get(key, key)
     if key not in STRATEGIES + ("auto",):
         raise OptionError(f"{what}: expected one of {', '.join(STRATEGIES)} or auto, "
                           f"got {value!r}")
@@ -209,7 +211,9 @@ class CommOptions:
     """How a buffer's collectives run (the same on every rank: checked at construction).
 
     ``strategy``: ``"thread"`` (blocking collectives in segments on a communication thread),
-    ``"nonblocking"`` (Iallreduce/Ireduce/... from the caller) or ``"auto"`` (``thread``
+    ``"nonblocking"`` (Iallreduce/Ireduce/... from the caller), ``"shm"`` (the ranks of one
+    node reduce directly in MPI-3 shared windows that hold the buffers, driven by a
+    communication thread; ``thread`` where the ranks span nodes) or ``"auto"`` (``thread``
     where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``segment_bytes``: size
     of the pieces a buffer is reduced in; ``None`` takes the strategy's default, 0 means one
     piece. ``timeout``: seconds any wait may take (``None``: forever). ``check_agreement``:

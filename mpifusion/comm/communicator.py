@@ -16,8 +16,18 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
     (every ``add_grad``), ``is_completed()`` and ``wait()`` (engines.py). The path for MPIs
     without ``MPI_THREAD_MULTIPLE``.
 
-Every collective is written once, as a generator of MPI calls (``collectives.py``); a
-strategy only decides whether each call is blocking (on the thread) or non-blocking.
+``shm``
+    For the ranks of one node: each buffer's grad and param storage lives in an MPI-3 shared
+    window (:meth:`Communicator.reserve`), and each rank sums its slice of every rank's
+    buffer directly between two barriers (``shm_collectives.py``), on a communication thread
+    as ``thread``. Where the ranks span nodes or shared windows cannot be made, every rank
+    falls back to ``thread`` (agreed at construction, logged with the reason; ``strategy``
+    then says ``thread`` and ``shm_fallback`` why). Device (cupy) and non-contiguous arrays
+    take ``thread``'s collectives on the same stream.
+
+Every collective is written once, as a generator of MPI calls (``collectives.py``,
+``shm_collectives.py``); a strategy only decides whether each call is blocking (on the
+thread) or non-blocking.
 
 Order (``CommOptions.order``, see ``order.py``): ``strict`` runs collectives in start order,
 each preceded by a tiny check that every rank starts the same one (``verify_order``);
@@ -30,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -40,9 +50,10 @@ from ..config import CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
 from ..errors import AbandonedError, OptionError, StateError
 from ..machine import segment_for
-from . import health, order as order_mod
+from . import health, order as order_mod, shm_collectives as shm_steps
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
+from .shm import NodeMemory, ShmStream, memory_for
 from .engines import ThreadEngine
 from .registry import engine_for, engines_of, private_comm
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
@@ -60,6 +71,8 @@ _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER:
 #: deadline its calls are non-blocking on every rank, whoever runs them (a caller cannot bound
 #: a blocking call, and MPI never matches a blocking collective with a non-blocking one)
 INLINE_MAX_BYTES = 64 << 10
+#: ``_start``'s ``way`` of the shm collectives (0: MPI calls), in the order check's fingerprint
+SHM_WAY = 1
 
 @functools.lru_cache(maxsize=None)
 def has_isendrecv() -> bool:
@@ -108,11 +121,15 @@ class Communicator:
     """
 
     def __init__(self, comm: MPI.Comm, options: Optional[CommOptions] = None,
-                 open: bool = True, **overrides: Any) -> None:
+                 open: bool = True, *,
+                 node_probe: Optional[Callable[[MPI.Comm], int]] = None,
+                 **overrides: Any) -> None:
         """``options`` (default: :meth:`CommOptions.from_env`); keyword ``overrides``
         (``strategy``, ``segment_bytes``, ``timeout``, ``order``, ...) replace single fields.
         ``open=False`` defers the agreement check and the stream to :meth:`open` (a buffer
-        adds its own description to the check)."""
+        adds its own description to the check). ``node_probe``: how many ranks of a
+        communicator share this rank's node (default ``shm.ranks_on_node``), for tests of
+        the ``shm`` fallback."""
         if not isinstance(comm, MPI.Comm):
             raise OptionError(f"comm_group: expected an mpi4py communicator, "
                               f"got {type(comm).__name__}")
@@ -126,8 +143,9 @@ class Communicator:
             if not threads:
                 logger.info("rank %d: MPI is not at MPI_THREAD_MULTIPLE; using the "
                             "'nonblocking' strategy", comm.Get_rank())
-        if options.strategy == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise OptionError(f"rank {comm.Get_rank()}: strategy 'thread': expected MPI "
+        if options.strategy in ("thread", "shm") and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise OptionError(f"rank {comm.Get_rank()}: strategy {options.strategy!r}: "
+                              f"expected MPI "
                               f"initialised at MPI_THREAD_MULTIPLE, got level "
                               f"{MPI.Query_thread()} (set mpi4py.rc.thread_level = 'multiple' "
                               f"before importing MPI, or use strategy='nonblocking')")
@@ -157,6 +175,11 @@ class Communicator:
         self._negotiator: Optional[Negotiator] = None
         self._segments: dict = {}   # (dtype, segment_bytes) -> _form(dtype)
         self.closed = False
+        #: why ``shm`` was asked for and ``thread`` runs (None: it runs, or was not asked for)
+        self.shm_fallback: Optional[str] = None
+        self._node_probe = node_probe
+        self._memory: Optional[NodeMemory] = None   # shm: the node's windows
+        self._shm: Optional[ShmStream] = None       # shm: this stream's rows and scratch
         if open:
             self.open()
 
@@ -194,10 +217,9 @@ class Communicator:
                     minimum=self.segment_bytes if self.options.segment_bytes is None else None)
                 if low is not None:
                     self.segment_bytes = low
-            # verified and unverified collectives never share a stream: where ranks started
-            # them in different orders, one rank's order check would meet another's data
-            tag = (self.strategy + ("" if self.order == "strict" else "/negotiated")
-                   + ("" if self.verify else "/unverified"))
+            if self.strategy == "shm":
+                self._open_shm(where)
+            tag = self._stream_tag()
             self.comm = private_comm(self.user_comm, tag, self.timeout)
         except BaseException:
             if self.slot is not None:
@@ -208,6 +230,57 @@ class Communicator:
             engine.negotiator = Negotiator(engine)
         self._engine = engine
         self._negotiator = engine.negotiator
+
+    def _stream_tag(self) -> str:
+        """The stream this communicator's collectives run on. Verified and unverified
+        collectives never share one: where ranks started them in different orders, one
+        rank's order check would meet another's data."""
+        return (self.strategy + ("" if self.order == "strict" else "/negotiated")
+                + ("" if self.verify else "/unverified"))
+
+    def _open_shm(self, where: str) -> None:
+        """Take the ``shm`` strategy where every rank is on one node and the stream's shared
+        window could be made, else fall back to ``thread`` -- decided by all ranks together
+        (all-reduces on the node communicator), so every rank runs the same calls."""
+        node = private_comm(self.user_comm, "shm/memory", self.timeout)
+        memory = memory_for(node, self.timeout)
+        memory.timeout = self.timeout  # its all-reduces now are bounded by this deadline
+        here = self._node_probe(node) if self._node_probe is not None else memory.node_ranks
+        spans, fewest = memory.agree_max([int(here < self.size), -here], f"{where}: shm")
+        reason = None
+        if spans:
+            reason = (f"comm_group spans nodes (a node holds as few as {-int(fewest)} of its "
+                      f"{self.size} ranks); shared windows need every rank on one node")
+        else:
+            stream, reason = memory.stream(self._stream_tag(), where)
+            if stream is not None:
+                self._memory, self._shm = memory, stream
+                return
+        self.shm_fallback = reason
+        self.strategy = "thread"
+        logger.warning("rank %d: strategy 'shm' unavailable, using 'thread': %s",
+                       self.rank, reason)
+
+    def reserve(self, sizes: Sequence[Tuple[int, Any]], like: Any,
+                where: str = "") -> List[Any]:
+        """Shared-window regions (zeroed, on pages of their own) for arrays of ``(numel,
+        dtype)``, e.g. a buffer's grad and param storage; ``[]`` for other strategies, device
+        arrays, or where the ranks agreed not to make one (too little shared memory: logged).
+        Collective with ``shm``: every rank reserves the same sizes in the same order (a
+        buffer does it at construction, after its agreement check)."""
+        if self._memory is None:
+            return []
+        where = where or f"rank {self.rank}: communicator"
+        regions, reason = self._memory.reserve(sizes, where, wanted=type(like) is np.ndarray)
+        if reason:
+            logger.warning("%s: storage not in a shared window (%s): its collectives stage "
+                           "it through the stream's scratch", where, reason)
+        return regions
+
+    def in_shared_window(self, arr: Any) -> bool:
+        """Whether ``arr`` lies in one of this node's shared windows (``shm``): its
+        collectives then read and write it in place, with no copy."""
+        return self._memory is not None and self._memory.locate(arr)[0] >= 0
 
     def close(self) -> None:
         """This communicator's buffer is done: its slot is freed and it starts nothing more.
@@ -276,15 +349,17 @@ class Communicator:
 
     def _start(self, steps: Steps, keep: Sequence[Any], name: str,
                desc: Sequence[int], nbytes: Optional[int] = None,
-               prepare: Optional[Callable[[], None]] = None) -> CommTask:
+               prepare: Optional[Callable[[], None]] = None, way: int = 0) -> CommTask:
         """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
         the order check compares (and OrderError names) with this communicator's key (buffer
         ids may repeat); ``nbytes`` its size on this rank (small ones may run inline;
         default: of ``keep``), the same on every rank when ``desc`` is. ``prepare`` runs right
         before the first call that exchanges data -- after the order check -- so a collective
-        refused by the check changed nothing (a buffer's pre-scaling by 1/n)."""
+        refused by the check changed nothing (a buffer's pre-scaling by 1/n). ``way``: how
+        the steps move data (0: MPI calls, ``SHM_WAY``: shared windows), so that ranks that
+        chose differently fail the order check instead of mixing calls."""
         self.check_usable(name)
-        desc = (*desc, self.key)
+        desc = (*desc, self.key, way)  # one length on every rank: gathered on a mismatch
         if prepare is not None:
             steps = _prepared(prepare, steps)
         engine = self._engine
@@ -321,11 +396,15 @@ class Communicator:
         cuda.synchronize(buf)
         nbytes = buf.nbytes
         seg, code = self._form(buf.dtype)
+        desc = (ALLREDUCE, buf.size, code, -1, *tag)
+        if self._on_shm(buf):
+            steps = shm_steps.allreduce_steps(self._shm, buf, scale, None, (*desc, self.key),
+                                              shm_steps.chunk_elements(seg, buf.dtype), name)
+            return self._start(steps, (buf,), name, desc, nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
                                 ring=self.size if (self.allreduce_way == "ring"
                                                    and nbytes > INLINE_MAX_BYTES) else 0)
-        return self._start(steps, (buf,), name, (ALLREDUCE, buf.size, code, -1, *tag),
-                           nbytes, prepare)
+        return self._start(steps, (buf,), name, desc, nbytes, prepare)
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
                name: str = "reduce", tag: Tuple[int, int] = (-1, -1),
@@ -338,11 +417,17 @@ class Communicator:
             raise OptionError(f"rank {self.rank}: {name}: root expected a rank in [0, {self.size}), "
                             f"got {root!r}")
         cuda.synchronize(buf)
-        steps = allreduce_steps(buf, scale, self._segment(buf.dtype), root=int(root),
-                                 rank=self.rank, window=self.window, sent_scale=sent_scale)
-        return self._start(steps, (buf,), name,
-                           (REDUCE, buf.size, order_mod.dtype_code(buf.dtype), int(root), *tag),
-                           buf.nbytes, prepare)
+        seg, code = self._form(buf.dtype)
+        desc = (REDUCE, buf.size, code, int(root), *tag)
+        if self._on_shm(buf):
+            steps = shm_steps.allreduce_steps(self._shm, buf, scale, int(root),
+                                              (*desc, self.key),
+                                              shm_steps.chunk_elements(seg, buf.dtype), name,
+                                              sent_scale=sent_scale)
+            return self._start(steps, (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
+        steps = allreduce_steps(buf, scale, seg, root=int(root), rank=self.rank,
+                                window=self.window, sent_scale=sent_scale)
+        return self._start(steps, (buf,), name, desc, buf.nbytes, prepare)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
                        name: str = "reduce_scatter",
@@ -360,12 +445,17 @@ class Communicator:
             raise OptionError(f"rank {self.rank}: {name}: expected the receive buffer in the send "
                             f"buffer's dtype {sendbuf.dtype}, got {recvbuf.dtype}")
         cuda.synchronize(sendbuf)
-        steps = reduce_scatter_steps(sendbuf, recvbuf, scale, self._segment(sendbuf.dtype),
-                                      self.size, self.rank, window=self.window,
-                                      others_scale=others_scale)
-        return self._start(steps, (sendbuf, recvbuf), name,
-                           (REDUCE_SCATTER, sendbuf.size, order_mod.dtype_code(sendbuf.dtype),
-                            -1, *tag), sendbuf.nbytes + recvbuf.nbytes, prepare)
+        seg, code = self._form(sendbuf.dtype)
+        desc = (REDUCE_SCATTER, sendbuf.size, code, -1, *tag)
+        nbytes = sendbuf.nbytes + recvbuf.nbytes
+        if self._on_shm(sendbuf) and self._on_shm(recvbuf):
+            steps = shm_steps.reduce_scatter_steps(
+                self._shm, sendbuf, recvbuf, scale, (*desc, self.key),
+                shm_steps.chunk_elements(seg, sendbuf.dtype), name, others_scale=others_scale)
+            return self._start(steps, (sendbuf, recvbuf), name, desc, nbytes, prepare, SHM_WAY)
+        steps = reduce_scatter_steps(sendbuf, recvbuf, scale, seg, self.size, self.rank,
+                                     window=self.window, others_scale=others_scale)
+        return self._start(steps, (sendbuf, recvbuf), name, desc, nbytes, prepare)
 
     def allgather_inplace(self, buf: Any, name: str = "allgather",
                           tag: Tuple[int, int] = (-1, -1)) -> CommTask:
@@ -374,11 +464,20 @@ class Communicator:
             raise OptionError(f"rank {self.rank}: {name}: expected a buffer that splits evenly "
                             f"over {self.size} ranks, got {buf.size} elements")
         cuda.synchronize(buf)
+        desc = (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag)
+        if self._on_shm(buf):
+            steps = shm_steps.allgather_steps(self._shm, buf, (*desc, self.key), name)
+            return self._start(steps, (buf,), name, desc, buf.nbytes, way=SHM_WAY)
         steps = allgather_steps(buf, self._segment(buf.dtype), self.size, self.rank,
                                 window=self.window)
-        return self._start(steps, (buf,), name,
-                           (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag),
-                           buf.nbytes)
+        return self._start(steps, (buf,), name, desc, buf.nbytes)
+
+    def _on_shm(self, arr: Any) -> bool:
+        """Whether ``arr`` goes through the shm collectives: a C-contiguous host array on a
+        communicator running ``shm`` (in a window: in place; elsewhere: staged). Device
+        arrays take the ``thread`` collectives on the same stream (see ``way``)."""
+        return (self._shm is not None and type(arr) is np.ndarray
+                and arr.flags.c_contiguous)
 
     def poll(self) -> None:
         """Called on every add_grad: drives MPI progress (``nonblocking``) or retires tasks

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from ..errors import CommTimeoutError
 from .engines import Engine, NonBlockingEngine, ThreadEngine
 from .health import forget
+from .shm import free_at_exit, release_memory
 from .poll import poll
 
 #: Engines by the handle of their private communicator (removed when it is freed).
@@ -55,14 +56,18 @@ def _release_dups(dups: dict, timeout: float = 30.0) -> None:
     with _REGISTRY_LOCK:
         items = list(dups.items())
         dups.clear()
-    for _tag, dup in items:
-        handle = dup.py2f()
-        engine = _ENGINES.pop(handle, None)
+    for _tag, dup in items:  # every engine first: an shm stream's tasks use the windows
+        engine = _ENGINES.pop(dup.py2f(), None)
         if engine is not None:
             engine.close(0.0 if _EXITING else timeout)
+    for _tag, dup in items:
+        handle = dup.py2f()
+        # the shm windows made on it (collective, creation order); where some are still
+        # held, the duplicate stays for the exit's vote on freeing them
+        kept = not _EXITING and release_memory(dup)
         forget(dup, None if _EXITING or MPI.Is_finalized() else timeout)
         _LIVE.pop(handle, None)
-        if not _EXITING and not MPI.Is_finalized():
+        if not _EXITING and not MPI.Is_finalized() and not kept:
             try:
                 dup.Free()
             except MPI.Exception:
@@ -110,8 +115,9 @@ def engine_for(dup: MPI.Comm, strategy: str, label: str,
         key = dup.py2f()
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = (ThreadEngine(dup, label) if strategy == "thread"
-                      else NonBlockingEngine(dup, label, progress_thread))
+            # shm runs on a communication thread too: it drives the reduction itself
+            engine = (NonBlockingEngine(dup, label, progress_thread)
+                      if strategy == "nonblocking" else ThreadEngine(dup, label))
             _ENGINES[key] = engine
         return engine
 
@@ -154,8 +160,10 @@ def _stop_engines() -> None:
     global _EXITING
     quick = getattr(sys, "last_value", None) is not None  # exiting on an error
     blocked = []
+    troubled = quick
     for engine in list(_ENGINES.values()):
         if quick or engine.stuck or engine.abandoned is not None:
+            troubled = True
             engine.closed = True  # waiting only delays the abort
             if isinstance(engine, NonBlockingEngine):
                 engine.stop_thread()
@@ -169,6 +177,10 @@ def _stop_engines() -> None:
             blocked.append(engine)  # a collective the other ranks never joined
     _EXITING = True
     _ENGINES.clear()
+    # shm windows, in creation order, where every rank exits cleanly (a vote: one that
+    # exits on an error, stuck or with a collective abandoned votes no and leaves them to
+    # MPI_Finalize or the abort, rather than hang its peers in MPI_Win_free)
+    free_at_exit(clean=not troubled and not blocked)
     if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -51,9 +51,9 @@ from .options import (BufferOptions, check_buffer_id, check_comm_group, check_sw
                       dst_group_rank)
 from .param import Param
 from .sharded import ShardedParams
-from .storage import (build_reduce_scatter_buffer, check_has_data, check_trainable,
-                      device_template, flatten_dense_tensors, grad_of, plan_or_raise, set_grad,
-                      world_rank)
+from .storage import (BufferMemory, build_reduce_scatter_buffer, check_has_data,
+                      check_trainable, device_template, flatten_dense_tensors, grad_of,
+                      plan_or_raise, set_grad, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -175,31 +175,50 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self._like = device_template(self._params)
         self._sharding_param_grad_view: dict = {}
         check_trainable(self._params, rank)
-        if act == HookAction.REDUCE_SCATTER:  # planned once, then allocated from the plan
-            self.layout = plan_or_raise(plan_sharded, self._params, nranks, rank=rank)
+        sharded = act == HookAction.REDUCE_SCATTER
+        # planned once, then allocated from the plan
+        self.layout = (plan_or_raise(plan_sharded, self._params, nranks, rank=rank) if sharded
+                       else plan_or_raise(plan_flat, self._params, rank=rank))
+        self._memory = self._reserve_memory(sharded or opts.fuse_param)
+        if sharded:
             (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
              self.grad_storage, _) = build_reduce_scatter_buffer(
                 self._params, nranks, rank, use_main_grad=self.use_main_grad,
                 release_grad=opts.release_grads, init_slice_param=opts.init_slice_param,
-                slice_params=slice_params, layout=self.layout)
+                slice_params=slice_params, layout=self.layout, memory=self._memory)
             self._params[0].comm_buffer_ref = weakref.ref(self)
         else:
-            self.layout = plan_or_raise(plan_flat, self._params, rank=rank)
             self.buffer_size = self.layout.numel
             if opts.fuse_param:
                 self.param_storage, self.grad_storage = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=True,
-                    layout=self.layout)
+                    layout=self.layout, memory=self._memory)
             elif not opts.release_grads:
                 (self.grad_storage,) = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=False,
-                    layout=self.layout)
+                    layout=self.layout, memory=self._memory)
         self.param2offset = self.layout.param2offset
         self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
         self._checkin = CheckIn(self._params, opts.acc_steps, where)
         # the grad (or main_grad) array each param must still have at its next add_grad: the
         # view into the grad buffer (kept as the array, so the hot path is an identity check)
         self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
+
+    def _reserve_memory(self, with_params: bool) -> BufferMemory:
+        """The buffer's storage regions: with the ``shm`` strategy one shared window holding
+        the grad storage (and the param storage of a reduce-scatter or fused-param buffer),
+        made now -- collective, in construction order, after the agreement check -- and kept
+        for the buffer's lifetime, even where its grads are allocated only at the first
+        ``add_grad`` (``release_grads``). Fresh arrays otherwise."""
+        if self._comm is None:
+            return BufferMemory()
+        numel, dtype = self.layout.numel, self.layout.dtype
+        grad_dtype = grad_dtype_for(dtype, self.use_main_grad)
+        sizes = [(numel, grad_dtype)] + ([(numel, dtype)] if with_params else [])
+        regions = self._comm.reserve(sizes, self._like, self._where())
+        if not regions:
+            return BufferMemory()
+        return BufferMemory(grad=regions[0], param=regions[1] if with_params else None)
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -104,7 +104,8 @@ class GradIntake:
         own = self._own_grad(param)  # before anything is allocated or moved
         if self.grad_storage is None or self._grads_are_shard:
             # none yet, or last step's reduce-scattered shard (free_grads_in_comm): a full one
-            self.grad_storage = backend.zeros(self.buffer_size, self._grad_dtype, self._like)
+            self.grad_storage = self._memory.zeros("grad", self.buffer_size, self._grad_dtype,
+                                                   self._like)
             self._grads_are_shard = False
         link = not self.options.free_grads_in_comm
         if self.options.act == HookAction.REDUCE_SCATTER:

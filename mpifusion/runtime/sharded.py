@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from ..arrays import backend
 from ..comm import CommTask
 from ..errors import CommError, LayoutError, StateError
 from ..plan.actions import HookAction
@@ -108,7 +107,8 @@ class ShardedParams:
         self._refuse_syncing("reset_param_storage")
         # like the device template recorded at construction: grad_storage is None with
         # release_grads or after clear_grad_storage, and would give a host buffer
-        self.param_storage = backend.zeros(self.buffer_size, self.layout.dtype, self._like)
+        self.param_storage = self._memory.zeros("param", self.buffer_size, self.layout.dtype,
+                                                self._like)
         for p in self._params:
             self._sharding_param_grad_view[p.name].share_param_buffer(self.param_storage,
                                                                       copy=False)

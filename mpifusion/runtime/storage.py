@@ -83,6 +83,29 @@ def adopt_grad(param: Param, use_main_grad: bool, view: Any) -> None:
     set_grad(param, use_main_grad, view)
 
 
+class BufferMemory:
+    """Where a buffer's flat storage comes from: fresh arrays (``backend.zeros``), or, with
+    the ``shm`` strategy, the regions of a shared window the communicator reserved at
+    construction (``Communicator.reserve``), handed out zeroed on every (re)allocation. So a
+    buffer's window memory is kept for its lifetime: ``release_grads``, ``clear_grad_storage``
+    and ``clear_param_storage`` drop the arrays, the next allocation reuses the region."""
+
+    def __init__(self, param: Any = None, grad: Any = None) -> None:
+        self.regions = {"param": param, "grad": grad}
+
+    def zeros(self, which: str, numel: int, dtype: Any, like: Any) -> Any:
+        """``numel`` zeros of ``dtype`` for the ``which`` ("param"/"grad") storage."""
+        region = self.regions[which]
+        if region is None or region.size != numel or region.dtype != dtype:
+            return backend.zeros(numel, dtype, like)
+        region[...] = 0
+        return region
+
+
+#: fresh arrays for every allocation (no reserved regions)
+FRESH = BufferMemory()
+
+
 def flatten_dense_tensors(
     parameters: Sequence[Param],
     use_main_grad: bool = False,
@@ -91,13 +114,15 @@ def flatten_dense_tensors(
     release_grad: bool = False,
     *,
     layout: Optional[FlatLayout] = None,
+    memory: BufferMemory = FRESH,
 ):
     """Fuse params (optional) and grads into 256-byte-aligned flat buffers.
 
     Returns ``(param_buffer, grad_buffer)`` with ``fuse_param``, else ``(grad_buffer,)``;
     with ``release_grad`` it only plans: ``(None, total_numel, param2offset)``.
     ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
-    ``layout``: the plan of ``parameters`` when the caller already made it (planned once).
+    ``layout``: the plan of ``parameters`` when the caller already made it (planned once);
+    ``memory``: where the buffers are allocated.
     """
     if layout is None:
         rank = world_rank()
@@ -109,11 +134,12 @@ def flatten_dense_tensors(
     like = parameters[0].data
     outputs = ()
     if fuse_param:
-        param_buffer = backend.zeros(layout.numel, layout.dtype, like)
+        param_buffer = memory.zeros("param", layout.numel, layout.dtype, like)
         for p in parameters:
             adopt_data(p, slot_view(param_buffer, layout[p.name]), copy=True)
         outputs = (param_buffer,)
-    grad_buffer = backend.zeros(layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
+    grad_buffer = memory.zeros("grad", layout.numel,
+                               grad_dtype_for(layout.dtype, use_main_grad), like)
     for p in parameters:
         adopt_grad(p, use_main_grad, slot_view(grad_buffer, layout[p.name]))
     return outputs + (grad_buffer,)
@@ -191,6 +217,7 @@ def build_reduce_scatter_buffer(
     slice_params: Optional[dict] = None,
     *,
     layout: Optional[FlatLayout] = None,
+    memory: BufferMemory = FRESH,
 ):
     """Fuse params and grads into a buffer padded to split evenly over ``sharding_degree``.
 
@@ -208,9 +235,9 @@ def build_reduce_scatter_buffer(
                 raise LayoutError(f"rank {rank}: slice_params: expected an entry for param "
                                   f"'{p.name}' (it has a slice on this rank)")
     like = parameters[0].data
-    param_buffer = backend.zeros(layout.numel, layout.dtype, like)
-    grad_buffer = None if release_grad else backend.zeros(
-        layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
+    param_buffer = memory.zeros("param", layout.numel, layout.dtype, like)
+    grad_buffer = None if release_grad else memory.zeros(
+        "grad", layout.numel, grad_dtype_for(layout.dtype, use_main_grad), like)
     views = {}
     for p in parameters:
         view = ShardingGradView(p, layout, rank, param_buffer, grad_buffer,

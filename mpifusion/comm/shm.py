@@ -1,0 +1,414 @@
+"""Shared memory of one node for the ``shm`` strategy: MPI-3 shared windows, who owns them,
+and the rules for freeing them.
+
+With ``strategy="shm"`` the ranks of a communicator that lies on one node keep their fused
+buffers in MPI-3 shared windows (``MPI_Win_allocate_shared``): every rank maps every other
+rank's segment, so a collective is plain loads and stores between two barriers
+(``shm_collectives.py``) instead of messages. Two kinds of windows, both made on the
+``shm/memory`` private duplicate of the user's communicator (the *node* communicator: the
+strategy is used only where it holds every rank, see :func:`ranks_on_node`):
+
+* a buffer's storage (:meth:`NodeMemory.reserve`): its grad and param storage, made at buffer
+  construction, so ``add_grad`` writes straight into shared memory (no copy-in);
+* a stream's *control* window (:class:`ShmStream`): per rank one descriptor row -- which
+  collective it runs and where its array lies -- and a scratch segment that stages host
+  arrays that are not in a window (a user's own numpy array), chunk by chunk.
+
+Every window is made collectively, in an order all ranks share (buffer construction order,
+which the agreement check enforces), and gets a number from one counter: the *same* window
+has the same number on every rank, which is how a descriptor names it.
+
+Lifetime (``MPI_Win_free`` is collective, so every rank must free the same windows in the
+same order): nothing is freed when a buffer is closed or dropped -- its grads and params
+stay readable, and they are views of the window. :func:`release_memory` (run by
+``mpifusion.comm.release(comm)`` and when the user frees ``comm``) frees, in creation order,
+the windows whose memory no rank still holds an array of (one agreed all-reduce); the others
+stay mapped until exit, where :func:`free_at_exit` frees every window left, in creation order,
+if every rank votes that it exits cleanly (one that exits on an error, stuck or after an
+abandoned collective votes no: MPI_Finalize or the abort cleans up). So with ``shm`` a
+buffer's window memory is kept for the buffer's lifetime: ``release_grads``,
+``clear_grad_storage`` and ``clear_param_storage`` drop the arrays, and the next allocation
+reuses the same region, zeroed. Both MPIs here back a window with a file in /dev/shm that
+they unlink as soon as every rank mapped it (MPICH ``mpich_shar_tmp*``, Open MPI
+``osc_sm.*``), so a killed job leaves nothing of mpifusion's there (measured: issue 29).
+
+Memory ordering: MPI's unified memory model (both MPIs here) makes stores to a window visible
+to the other processes, but only ``MPI_Win_sync`` orders them against the barrier that tells
+a peer it may read (the standard's shared-memory example: sync, barrier, sync); every window
+is locked once (``Lock_all(MODE_NOCHECK)``: MPICH refuses ``Win_sync`` outside a
+passive-target epoch). The collectives sync one window, the stream's, on each side of every
+barrier: in the unified model
+``Win_sync`` is a full processor memory barrier in both libraries (MPICH
+``MPL_atomic_read_write_barrier``, Open MPI ``opal_atomic_mb``), which orders every load and
+store of the process, whichever window it touches. Each sync is an MPI call that gives up the
+GIL; syncing every window involved cost ~20 us per call here once the communication thread
+competed for it.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .health import wait_request
+
+#: every window's segment (and every region in it) starts on its own page: aligned for any
+#: dtype (and backend.BASE_ALIGNMENT), and its first touch by the owner places it on the
+#: owner's NUMA node
+PAGE = 4096
+#: a stream's descriptor row: int64 words per rank (one cache-line pair, so rows never share
+#: a line); the fields are ``ROW_FIELDS``
+ROW_WORDS = 16
+#: the row's fields: the collective as the order check describes it (``order.describe_call``:
+#: serial, kind, count, dtype, root, buffer id, step, communicator key), then where this
+#: rank's array lies: window number (-1: staged through the scratch) and byte offset
+ROW_FIELDS = ("serial", "kind", "count", "dtype", "root", "buffer", "step", "key",
+              "window", "offset")
+DESC_WORDS = 8
+#: bytes of a stream's scratch per rank: arrays outside the windows are staged through it in
+#: rounds of this size (1 MiB: the size the prototype of issue 29 ran its chunks at)
+SCRATCH_BYTES = 1 << 20
+#: where the scratch starts in a rank's segment of the control window
+SCRATCH_OFFSET = PAGE
+#: where the MPI libraries put shared windows (MPICH and Open MPI: a file in /dev/shm)
+SHM_FOLDER = "/dev/shm"
+
+_SERIAL = itertools.count()  # creation order of every window (and NodeMemory) here
+_LOCK = threading.Lock()
+#: released node communicators whose windows a rank still held arrays of: freed at exit
+_KEPT: List["NodeMemory"] = []
+#: NodeMemory by the handle of its node communicator (the ``shm/memory`` duplicate)
+_MEMORY: Dict[int, "NodeMemory"] = {}
+
+
+def round_up(n: int, unit: int = PAGE) -> int:
+    return -(-n // unit) * unit
+
+
+def ranks_on_node(comm: MPI.Comm) -> int:
+    """How many ranks of ``comm`` share this rank's node (``Split_type(COMM_TYPE_SHARED)``;
+    collective). The ``shm`` strategy runs where this is every rank."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
+    """Bytes free in the file system that backs shared windows (None: unknown). A window
+    larger than that maps fine and then kills the process with SIGBUS at the first touch of a
+    missing page (a container's /dev/shm is often 64 MiB), so it is checked beforehand."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class SharedWindow:
+    """One MPI-3 shared window of ``nbytes`` per rank, with every rank's segment as a numpy
+    byte array (``segments[r]``). ``internal``: mpifusion's own (a stream's control window),
+    never handed out; ``serial``: its place in the creation order."""
+
+    def __init__(self, comm: MPI.Comm, nbytes: int, internal: bool = False) -> None:
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on the owner's pages
+        try:
+            self.win = MPI.Win.Allocate_shared(nbytes, 1, info=info, comm=comm)
+        finally:
+            info.Free()
+        self.serial = next(_SERIAL)
+        self.internal = internal
+        self.nbytes = nbytes
+        self.freed = False
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # the epoch Win_sync needs (see the module doc)
+        self.segments = [np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8)
+                         for r in range(comm.Get_size())]
+        self.mine = self.segments[comm.Get_rank()]
+        self.mine[...] = 0  # the owner touches its pages first (and zero is what zeros() gives)
+        self.base = self.mine.ctypes.data
+
+    def sync(self) -> None:
+        """Order this process's loads and stores on the window against the barriers."""
+        self.win.Sync()
+
+    def held(self) -> bool:
+        """Whether an array of this rank's segment is still alive outside this object (a
+        buffer's grads, params, or a view a user kept): freeing would unmap it."""
+        if self.internal:
+            return False
+        # references: self.segments, self.mine, getrefcount's argument
+        return sys.getrefcount(self.mine) > 3
+
+    def free(self) -> None:
+        """``MPI_Win_free`` (collective over the node communicator)."""
+        if self.freed:
+            return
+        self.freed = True
+        self.segments = []
+        self.mine = np.empty(0, np.uint8)
+        if not MPI.Is_finalized():
+            try:
+                self.win.Unlock_all()
+                self.win.Free()
+            except MPI.Exception:
+                pass
+
+
+class ShmStream:
+    """What one stream (a private duplicate with its own engine) needs to run shm
+    collectives: its control window (a descriptor row and a scratch segment per rank), the
+    count of shm collectives it ran (the ``serial`` of the rows), and the accumulators of its
+    reductions (private to this process, reused: one task at a time runs on a stream)."""
+
+    def __init__(self, memory: "NodeMemory", window: SharedWindow) -> None:
+        self.memory = memory
+        self.window = window
+        self.rank, self.size = memory.rank, memory.size
+        #: bytes of each rank's scratch (the same on every rank: the window's size)
+        self.scratch_bytes = window.nbytes - SCRATCH_OFFSET
+        self.serial = 0
+        self._work: Dict[Tuple[Any, int], np.ndarray] = {}
+        self._rows = [seg[:ROW_WORDS * 8].view(np.int64)[:len(ROW_FIELDS)]
+                      for seg in window.segments]
+        self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
+        self._scratch: Dict[Tuple[int, Any], np.ndarray] = {}
+
+    def row(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s descriptor row (int64 words, ``ROW_FIELDS``)."""
+        return self._rows[rank]
+
+    def rows(self) -> np.ndarray:
+        """Every rank's row, copied (read after a barrier; valid until the next read)."""
+        read = self._read
+        for q, row in enumerate(self._rows):
+            read[q] = row
+        return read
+
+    def scratch(self, rank: int, dtype: Any) -> np.ndarray:
+        """Rank ``rank``'s scratch as ``dtype`` elements."""
+        key = (rank, dtype)
+        arr = self._scratch.get(key)
+        if arr is None:
+            arr = self._scratch[key] = self.window.segments[rank][SCRATCH_OFFSET:].view(dtype)
+        return arr
+
+    def work(self, slot: int, n: int, dtype: Any) -> np.ndarray:
+        """Accumulator ``slot`` of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
+        key = (np.dtype(dtype), slot)
+        arr = self._work.get(key)
+        if arr is None or arr.size < n:
+            arr = self._work[key] = np.empty(max(n, 1), dtype=dtype)
+        return arr[:n]
+
+
+class NodeMemory:
+    """The shared windows of one user communicator, made on its node communicator ``comm``
+    (a private duplicate holding the same ranks, all on one node), in creation order."""
+
+    def __init__(self, comm: MPI.Comm, timeout: Optional[float] = None) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = timeout
+        self.windows: Dict[int, SharedWindow] = {}   # by serial (the same on every rank)
+        self.streams: Dict[str, ShmStream] = {}      # by stream tag
+        self.serial = next(_SERIAL)
+        self.node_ranks = ranks_on_node(comm)
+
+    # -- agreement (every decision that changes the calls is taken by all ranks together)
+    def agree_max(self, values: Sequence[int], what: str, bounded: bool = True) -> np.ndarray:
+        """The element-wise maximum of ``values`` over the ranks: a polled Iallreduce,
+        ``bounded`` by the communicator's timeout at construction (a rank that never comes
+        gives a CommTimeoutError); unbounded when freeing, as ``MPI_Win_free`` itself is (a
+        rank that gave up would leave the request posted, a late peer would complete it and
+        then wait in a ``Win_free`` this rank never calls)."""
+        timeout = self.timeout if bounded else None
+        send = np.asarray(values, dtype=np.int64)
+        recv = np.empty_like(send)
+        if self.size == 1:
+            return send
+        req = self.comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX)
+        wait_request(req, timeout,
+                     lambda: (f"rank {self.rank}: {what}: not every rank of the node came "
+                              f"within {timeout:g} s"), keep=(send, recv))
+        return recv
+
+    # -- windows
+    def allocate(self, nbytes: int, internal: bool = False) -> SharedWindow:
+        """A new window of ``nbytes`` per rank (collective, in the shared order)."""
+        win = SharedWindow(self.comm, round_up(max(nbytes, 1)), internal)
+        self.windows[win.serial] = win
+        return win
+
+    def allocate_agreed(self, nbytes: int, where: str, wanted: bool = True,
+                        internal: bool = False) -> Tuple[Optional[SharedWindow], str]:
+        """A new window of ``nbytes`` per rank, or ``(None, reason)`` where the ranks agreed
+        not to make one (collective: an all-reduce, the allocation, an all-reduce). Refused
+        where a rank does not want it, or where the file system behind the windows lacks
+        space for every rank's segment (see :func:`free_bytes`); given up where
+        ``MPI_Win_allocate_shared`` fails on a rank."""
+        total = round_up(max(nbytes, 1))
+        free = free_bytes()
+        short = int(free is not None and total * self.size > free)
+        unwanted, short = self.agree_max([int(not wanted), short], f"{where}: shared window")
+        if unwanted:
+            return None, "not every rank's arrays are host arrays"
+        if short:
+            return None, (f"{total * self.size} bytes of shared windows needed on the node, "
+                          f"{SHM_FOLDER} has less free on some rank ({free} on rank "
+                          f"{self.rank})")
+        error = ""
+        win = None
+        try:
+            win = self.allocate(total, internal)
+        except MPI.Exception as exc:
+            error = f"rank {self.rank}: MPI_Win_allocate_shared failed: {exc}"
+        if self.agree_max([int(bool(error))], f"{where}: shared window")[0]:
+            # a collective that failed on some rank cannot be undone collectively: a window
+            # made here stays mapped, never freed (the peers have none to free it with)
+            if win is not None:
+                self.windows.pop(win.serial, None)
+            return None, error or "MPI_Win_allocate_shared failed on another rank"
+        return win, ""
+
+    def reserve(self, sizes: Sequence[Tuple[int, Any]], where: str,
+                wanted: bool = True) -> Tuple[List[Any], str]:
+        """Regions of one new window for arrays of ``(numel, dtype)``, each zeroed and on
+        its own page; or ``([], reason)`` (see :meth:`allocate_agreed`; no reason where
+        there is nothing to place or a rank's arrays are not host arrays)."""
+        offsets, total = [], 0
+        for numel, dtype in sizes:
+            offsets.append(total)
+            total += round_up(int(numel) * np.dtype(dtype).itemsize)
+        if total == 0:  # the same on every rank: the sizes are agreed
+            return [], ""
+        win, reason = self.allocate_agreed(total, where, wanted)
+        if win is None:
+            return [], reason if wanted else ""
+        return [win.mine[o:o + int(n) * np.dtype(d).itemsize].view(d)
+                for o, (n, d) in zip(offsets, sizes)], ""
+
+    def stream(self, tag: str, where: str) -> Tuple[Optional[ShmStream], str]:
+        """The shm state of stream ``tag`` (made on first use: collective, in the shared
+        order of Communicator construction), or ``(None, reason)``."""
+        state = self.streams.get(tag)
+        if state is None:
+            win, reason = self.allocate_agreed(SCRATCH_OFFSET + SCRATCH_BYTES, where,
+                                               internal=True)
+            if win is None:
+                return None, reason
+            state = self.streams[tag] = ShmStream(self, win)
+        return state, ""
+
+    def locate(self, arr: Any) -> Tuple[int, int]:
+        """``(window serial, byte offset)`` of a C-contiguous numpy array that lies in this
+        rank's segment of one of the windows, else ``(-1, 0)``."""
+        if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
+            return -1, 0
+        ptr = arr.__array_interface__["data"][0]
+        end = ptr + arr.nbytes
+        for serial, win in self.windows.items():
+            if not win.internal and win.base <= ptr and end <= win.base + win.mine.nbytes:
+                return serial, ptr - win.base
+        return -1, 0
+
+    def peer_array(self, serial: int, rank: int, offset: int, count: int,
+                   dtype: Any) -> Optional[np.ndarray]:
+        """Rank ``rank``'s array of ``count`` ``dtype`` elements at ``offset`` of window
+        ``serial``; None where that does not lie inside the window (a bad descriptor)."""
+        win = self.windows.get(serial)
+        nbytes = count * np.dtype(dtype).itemsize
+        if win is None or win.internal or offset < 0 or offset + nbytes > win.nbytes:
+            return None
+        return win.segments[rank][offset:offset + nbytes].view(dtype)
+
+    def window(self, serial: int) -> Optional[SharedWindow]:
+        return self.windows.get(serial)
+
+    def release(self) -> bool:
+        """Free (collectively, in creation order) the windows no rank holds arrays of; True
+        where some are kept for :func:`free_at_exit` (``comm`` must then stay alive for its
+        vote). The engines of the streams were closed first."""
+        live = [self.windows[s] for s in sorted(self.windows)]
+        self.streams = {}
+        if not live:
+            return False
+        try:
+            held = self.agree_max([int(w.held()) for w in live], "releasing shared windows",
+                                  bounded=False)
+        except MPI.Exception:
+            return True  # not agreed: every window waits for the exit
+        for win, keep in zip(live, held.tolist()):
+            if not keep:
+                win.free()
+                del self.windows[win.serial]
+        return bool(self.windows)
+
+    def free_all(self, clean: bool) -> None:
+        """At exit: free every window left, in creation order, if every rank exits cleanly
+        (a vote: a rank that votes no leaves them to MPI_Finalize or the abort instead of
+        hanging the others in Win_free). The vote waits for every rank as MPI_Finalize does."""
+        try:
+            troubled = self.agree_max([int(not clean)], "freeing shared windows at exit",
+                                      bounded=False)[0]
+        except MPI.Exception:
+            return
+        if not troubled:
+            for serial in sorted(self.windows):
+                self.windows[serial].free()
+        self.windows = {}
+
+
+def memory_for(comm: MPI.Comm, timeout: Optional[float] = None) -> NodeMemory:
+    """The NodeMemory of a node communicator (made on first use: collective)."""
+    with _LOCK:
+        memory = _MEMORY.get(comm.py2f())
+    if memory is None:
+        memory = NodeMemory(comm, timeout)
+        with _LOCK:
+            _MEMORY[comm.py2f()] = memory
+    return memory
+
+
+def release_memory(comm: MPI.Comm) -> bool:
+    """``comm`` is about to be freed: release the windows made on it (collective; see
+    :meth:`NodeMemory.release`). True where windows were kept until exit: then ``comm``
+    must not be freed (the exit's vote runs on it). False for a communicator without any."""
+    with _LOCK:
+        memory = _MEMORY.pop(comm.py2f(), None)
+    if memory is None or MPI.Is_finalized():
+        return False
+    kept = memory.release()
+    if kept:
+        with _LOCK:
+            _KEPT.append(memory)
+    return kept
+
+
+def free_at_exit(clean: bool) -> None:
+    """Free every window left, node communicator by node communicator in creation order
+    (collective; see :meth:`NodeMemory.free_all`). ``clean``: this rank exits normally."""
+    with _LOCK:
+        left = sorted(list(_MEMORY.values()) + _KEPT, key=lambda m: m.serial)
+        _MEMORY.clear()
+        _KEPT.clear()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        for memory in left:
+            memory.free_all(clean)
+
+
+def live_windows() -> int:
+    """Windows not freed yet (for leak checks and tests)."""
+    with _LOCK:
+        return sum(len(m.windows) for m in list(_MEMORY.values()) + _KEPT)
+
+
+__all__ = ["NodeMemory", "SharedWindow", "ShmStream", "free_at_exit", "free_bytes",
+           "live_windows", "memory_for", "ranks_on_node", "release_memory"]

@@ -1,0 +1,369 @@
+"""The ``shm`` strategy: buffers in MPI-3 shared windows, reduced by loads and stores.
+
+Under mpiexec (1, 2, 3, 4, 8 ranks) every action of real FusedCommBuffers against float64
+references computed here, bit for bit (the inputs are multiples of 1/8, so every sum is exact
+and only the final 1/n and rounding happen, as the reference does them), the same bytes on
+every rank, grads that land in the window, arrays outside the windows (staged through the
+scratch, also mixed with window arrays across ranks), two buffers interleaved, the negotiated
+order, a deadline naming the late rank, the rows' own order check, the agreed fallback, and the
+release rule for windows. Serially: the option, the environment and the thread level.
+
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/comm/test_shm_strategy.py``.
+"""
+import gc
+import hashlib
+import logging
+import re
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifusion import FusedCommBuffer, HookAction, Param
+from mpifusion.comm import Communicator, release
+from mpifusion.comm import shm
+from mpifusion.config import STRATEGIES, CommOptions
+from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.errors import CommTimeoutError, OptionError, OrderError
+
+from tests.reference import exact_values
+
+SEGMENT = 4096  # bytes: 1024-element chunks, so a slice of the larger params spans several
+DTYPES = [float32, np.dtype(np.float64), float16, bfloat16]
+SHAPES = [(1,), (7,), (13, 17), (20011,)]  # one element, primes, bigger than a chunk
+#: the scratch of the staging tests (one page): arrays of BIG elements take several rounds
+SCRATCH = 4096
+BIG = 2503
+
+
+def opts(**kw):
+    return CommOptions(strategy="shm", segment_bytes=SEGMENT, **kw)
+
+
+def grads(rank, step, dtype, shapes=SHAPES, salt=0):
+    return [exact_values(s, dtype, rank, step, i, salt) for i, s in enumerate(shapes)]
+
+
+def rounded(x64, dtype, scale):
+    """``x64 * scale`` as the implementation computes it: fp64 in fp64; else in fp32 (the
+    sum of multiples of 1/8 is exact there), rounded once to ``dtype``."""
+    if np.dtype(dtype) == np.float64:
+        return x64 * scale
+    return (x64.astype(np.float32) * np.float32(scale)).astype(dtype)
+
+
+def total(n, step, dtype, i, shape, salt=0):
+    return np.sum([exact_values(shape, dtype, r, step, i, salt).astype(np.float64)
+                   for r in range(n)], axis=0)
+
+
+def same_on_every_rank(comm, arr, what):
+    digests = comm.allgather(hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest())
+    assert len(set(digests)) == 1, f"{what}: bytes differ across ranks: {digests}"
+
+
+def make(comm, act, dtype, ident, shapes=SHAPES, **kw):
+    params = [Param(f"p{ident}_{i}", np.full(s, 0.25 * (i + 1), dtype=dtype))
+              for i, s in enumerate(shapes)]
+    dst = comm.Get_size() - 1 if act == HookAction.REDUCE else -1
+    kw.setdefault("comm_options", opts())
+    return FusedCommBuffer(ident, params, comm, act=act, dst=dst, **kw), params
+
+
+def check_grads(buf, params, step, dtype, salt=0):
+    """The grad of every param (reduced, or kept and scaled) as the reference says."""
+    n, rank = buf.nranks, buf.rank
+    act = buf.act
+    lo, hi = buf.layout.shard_range(rank) if act == HookAction.REDUCE_SCATTER else (0, 0)
+    for i, p in enumerate(params):
+        reduced = rounded(total(n, step, dtype, i, p.shape, salt), dtype, 1.0 / n)
+        kept = rounded(exact_values(p.shape, dtype, rank, step, i, salt).astype(np.float64),
+                       dtype, 1.0 / n)
+        if act == HookAction.ALL_REDUCE or (act == HookAction.REDUCE and rank == n - 1):
+            want = reduced
+        elif act == HookAction.REDUCE:
+            want = kept
+        else:  # reduce-scatter: this rank's shard reduced, the rest kept
+            at = buf.layout[p.name].offset + np.arange(p.numel).reshape(p.shape)
+            want = np.where((at >= lo) & (at < hi), reduced, kept)
+        slot = buf.layout[p.name]
+        got = buf.grad_storage[slot.offset:slot.end].reshape(p.shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} step {step} "
+                                      f"{act.name} {np.dtype(dtype).name} {p.name}")
+
+
+# ------------------------------------------------------------------ buffers, every action
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act", list(HookAction), ids=lambda a: a.name)
+def test_buffer_actions_in_the_window(comm, act, dtype):
+    n, rank = comm.Get_size(), comm.Get_rank()
+    sharded = act == HookAction.REDUCE_SCATTER
+    # reduce-scatter with release_grads: the grads are allocated at the first add_grad and
+    # dropped after each step, and must come back in the same window region
+    buf, params = make(comm, act, dtype, 1, release_grads=sharded)
+    c = buf.comm
+    assert c.strategy == "shm" and c.shm_fallback is None
+    places = set()
+    for step in range(2 if sharded else 1):
+        for p, g in reversed(list(zip(params, grads(rank, step, dtype)))):
+            buf.add_grad(p, grad=g)
+            assert c.in_shared_window(p.grad), f"{p.name}: grad not in the window"
+        assert c.in_shared_window(buf.grad_storage)
+        places.add(buf.grad_storage.ctypes.data)
+        buf.scale_grads()
+        check_grads(buf, params, step, dtype)
+        if act == HookAction.ALL_REDUCE:
+            same_on_every_rank(comm, buf.grad_storage, f"{act.name} step {step}")
+        if sharded:
+            lo, hi = buf.layout.shard_range(rank)
+            # the optimizer updates this rank's shard; sync_params gathers every shard
+            assert c.in_shared_window(buf.param_storage)
+            buf.param_storage[lo:hi] = exact_values(hi - lo, dtype, rank, step, 99)
+            buf.sync_params()
+            shard = buf.layout.shard_numel
+            want = np.concatenate([exact_values(shard, dtype, r, step, 99) for r in range(n)])
+            np.testing.assert_array_equal(buf.param_storage, want)
+            same_on_every_rank(comm, buf.param_storage, f"sync_params step {step}")
+            buf.clear_grad_storage()
+        else:
+            buf.grad_storage[...] = 0
+    assert len(places) == 1, "the grads moved out of the buffer's window region"
+    buf.close()
+
+
+@pytest.mark.mpi
+def test_free_grads_in_comm_and_reset_param_storage(comm):
+    """The shard of free_grads_in_comm is ordinary memory (only its owner writes it); the
+    param storage reset after clear_param_storage is the window region again, zeroed."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    buf, params = make(comm, HookAction.REDUCE_SCATTER, float32, 2, release_grads=True,
+                       free_grads_in_comm=True)
+    region = buf.param_storage.ctypes.data
+    for p, g in zip(params, grads(rank, 0, float32)):
+        buf.add_grad(p, grad=g)
+    buf.scale_grads()
+    lo, hi = buf.layout.shard_range(rank)
+    full = np.zeros(buf.buffer_size)
+    for i, p in enumerate(params):
+        slot = buf.layout[p.name]
+        full[slot.offset:slot.end] = rounded(total(n, 0, float32, i, p.shape), float32,
+                                             1.0 / n).ravel()
+    np.testing.assert_array_equal(buf.grad_storage, full[lo:hi].astype(np.float32))
+    buf.clear_param_storage()
+    buf.reset_param_storage()
+    assert buf.param_storage.ctypes.data == region and not buf.param_storage.any()
+    assert buf.comm.in_shared_window(params[0].data)
+
+
+# ------------------------------------------------------------------ arrays outside the windows
+
+
+@pytest.fixture
+def small_scratch(comm, monkeypatch):
+    """A communicator of its own whose shm streams have a one-page scratch (the same on
+    every rank), so that staging takes several rounds at small sizes."""
+    monkeypatch.setattr(shm, "SCRATCH_BYTES", SCRATCH)
+    sub = comm.Dup()
+    yield sub
+    release(sub)
+    sub.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [float32, bfloat16], ids=lambda d: np.dtype(d).name)
+def test_arrays_outside_the_windows_are_staged(small_scratch, dtype):
+    """Plain numpy arrays go through the scratch in rounds; on odd ranks they do while the
+    even ranks' arrays lie in a window (each rank says where its array is)."""
+    comm = small_scratch
+    n, rank = comm.Get_size(), comm.Get_rank()
+    c = Communicator(comm, opts())
+    assert c._shm.scratch_bytes == SCRATCH
+    root = n - 1
+    for numel in (0, 1, 7, BIG):
+        region = c.reserve([(numel, dtype)], np.empty(0))
+        for mixed in (False, True):
+            inside = mixed and rank % 2 == 0 and numel > 0
+
+            def arr(values):
+                if not inside:
+                    return values.copy()
+                region[0][...] = values
+                return region[0]
+
+            assert c.in_shared_window(arr(np.zeros(numel, dtype))) == inside
+            mine = exact_values(numel, dtype, rank, numel, 1, 0)
+            whole = total(n, numel, dtype, 1, numel)
+            x = arr(mine)
+            c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+            np.testing.assert_array_equal(x, rounded(whole, dtype, 1.0 / n))
+            same_on_every_rank(comm, x, f"allreduce of {numel}")
+            x = arr(mine)
+            c.reduce(x, root=root, scale=0.5, sent_scale=0.25).wait(timeout=60)
+            np.testing.assert_array_equal(
+                x, rounded(whole, dtype, 0.5) if rank == root
+                else rounded(mine.astype(np.float64), dtype, 0.25))
+    for shard in (0, 1, 5, BIG // n + 1):
+        numel = shard * n
+        region = c.reserve([(numel, dtype)], np.empty(0))
+        mine = exact_values(numel, dtype, rank, numel, 2, 0)
+        whole = total(n, numel, dtype, 2, numel)
+        inside = rank % 2 == 0 and numel > 0
+        send = region[0] if inside else mine.copy()
+        send[...] = mine
+        recv = send[rank * shard:(rank + 1) * shard]  # in place, as a buffer does
+        c.reduce_scatter(send, recv, scale=1.0 / n, others_scale=2.0).wait(timeout=60)
+        want = rounded(mine.astype(np.float64), dtype, 2.0)
+        want[rank * shard:(rank + 1) * shard] = rounded(whole, dtype, 1.0 / n)[
+            rank * shard:(rank + 1) * shard]
+        np.testing.assert_array_equal(send, want)
+        gathered = region[0] if inside else np.zeros(numel, dtype)
+        gathered[...] = 0
+        gathered[rank * shard:(rank + 1) * shard] = mine[rank * shard:(rank + 1) * shard]
+        c.allgather_inplace(gathered).wait(timeout=60)
+        np.testing.assert_array_equal(gathered, np.concatenate(
+            [exact_values(numel, dtype, r, numel, 2, 0)[r * shard:(r + 1) * shard]
+             for r in range(n)]))
+
+
+# ------------------------------------------------------------------ order, deadlines
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("order", ["strict", "negotiated"])
+def test_two_buffers_interleaved(comm, order):
+    """Strict: B's collective starts while A's params are still checking in, and the waits
+    come in the other order. Negotiated: the ranks start them in different orders."""
+    rank = comm.Get_rank()
+    a, pa = make(comm, HookAction.ALL_REDUCE, float32, 3, order=order)
+    b, pb = make(comm, HookAction.REDUCE, bfloat16, 4, order=order, shapes=SHAPES[:3])
+    ga, gb = grads(rank, 0, float32, salt=3), grads(rank, 0, bfloat16, SHAPES[:3], salt=4)
+    first, second = ((a, pa, ga), (b, pb, gb)) if order == "strict" or rank % 2 else \
+        ((b, pb, gb), (a, pa, ga))
+    buf, ps, gs = first
+    for p, g in list(zip(ps, gs))[1:]:
+        buf.add_grad(p, grad=g)
+    for p, g in zip(second[1], second[2]):
+        second[0].add_grad(p, grad=g)
+    buf.add_grad(ps[0], grad=gs[0])
+    a.scale_grads()
+    b.scale_grads()
+    check_grads(a, pa, 0, float32, salt=3)
+    check_grads(b, pb, 0, bfloat16, salt=4)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_deadline_names_the_late_rank_and_a_later_wait_finishes(comm):
+    """Small collectives under a deadline are polled by the waiting caller, large ones run
+    on the communication thread; both name the rank that has not started, and a later wait
+    finishes them. The last rank starts each one 0.8 s late."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    bufs = [make(comm, HookAction.ALL_REDUCE, float32, 5 + k, shapes=[(numel,)], timeout=0.2)
+            for k, numel in enumerate((64, 20000))]  # polled, on the thread
+    comm.Barrier()
+    for k, (buf, params) in enumerate(bufs):
+        if rank == n - 1:
+            time.sleep(0.8)
+        buf.add_grad(params[0], grad=grads(rank, 0, float32, [params[0].shape], salt=k)[0])
+        errors = []
+        for _ in range(300):
+            try:
+                buf.scale_grads()
+                break
+            except CommTimeoutError as exc:
+                errors.append(str(exc))
+        if rank != n - 1:
+            assert errors, f"buffer {k}: expected a CommTimeoutError while the last rank sleeps"
+            assert re.search(rf"rank {n - 1} of the buffer's communicator has not started it",
+                             errors[0]), errors[0]
+        check_grads(buf, params, 0, float32, salt=k)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rows_refuse_different_collectives_without_the_order_check(comm):
+    """With verify_order=False only the descriptor rows can tell that the ranks started
+    different collectives: every rank raises the same OrderError, nothing moved."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    c = Communicator(comm, opts(verify_order=False))
+    x = np.full(10 + (rank == 0), rank + 1.0, np.float32)
+    with pytest.raises(OrderError, match=r"rank 0 started .* of 11 float32 .*ranks? .* of 10"):
+        c.allreduce(x).wait(timeout=60)
+    assert (x == rank + 1.0).all()
+    y = np.full(9, rank + 1.0, np.float32)
+    c.allreduce(y).wait(timeout=60)  # the stream is still aligned
+    assert (y == n * (n + 1) / 2).all()
+
+
+# ------------------------------------------------------------------ fallback, lifetime
+
+
+@pytest.mark.mpi
+def test_fallback_is_agreed_and_says_why(comm, caplog):
+    """Only rank 0 is told it shares its node with nobody: every rank falls back to
+    ``thread`` (an all-reduce decides, not each rank's own guess), with the reason logged."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+
+    def probe(node):
+        return 1 if node.Get_rank() == 0 else node.Get_size()
+
+    with caplog.at_level(logging.WARNING, logger="mpifusion"):
+        c = Communicator(comm, opts(), node_probe=probe)
+    if n == 1:
+        assert c.strategy == "shm" and c.shm_fallback is None
+    else:
+        assert c.strategy == "thread"
+        assert "spans nodes" in c.shm_fallback and f"as few as 1 of its {n}" in c.shm_fallback
+        assert any("strategy 'shm' unavailable, using 'thread'" in r.getMessage()
+                   for r in caplog.records)
+        assert c.reserve([(10, float32)], np.empty(0)) == []
+    x = np.full(5, rank + 1.0, np.float32)
+    c.allreduce(x).wait(timeout=60)
+    assert (x == n * (n + 1) / 2).all()
+
+
+@pytest.mark.mpi
+def test_release_frees_only_windows_nobody_holds(comm):
+    """release() frees the windows no rank holds arrays of; a buffer still alive on one
+    rank keeps its window (on every rank) until exit."""
+    rank = comm.Get_rank()
+    sub = comm.Dup()
+    try:
+        before = shm.live_windows()
+        kept = make(sub, HookAction.ALL_REDUCE, float32, 6, shapes=[(100,)])[0]
+        dropped = make(sub, HookAction.ALL_REDUCE, float32, 7, shapes=[(100,)])[0]
+        assert shm.live_windows() == before + 3  # the stream's and two buffers'
+        del dropped
+        if rank != 0:
+            del kept
+        gc.collect()
+        release(sub)
+        assert shm.live_windows() == before + 1  # the one rank 0 still holds
+        if rank == 0:  # still mapped: its grads stay readable
+            kept.grad_storage[...] = 2.0
+            assert kept.params[0].grad.sum() == 200.0
+    finally:
+        sub.Free()
+
+
+# ------------------------------------------------------------------ serial: options
+
+
+def test_strategy_option_environment_and_cli_choices():
+    assert "shm" in STRATEGIES
+    assert CommOptions(strategy="shm").strategy == "shm"
+    assert CommOptions(strategy="shared-memory").strategy == "shm"
+    assert CommOptions.from_env({"MPIFUSION_COMM_STRATEGY": "shm"}).strategy == "shm"
+    from mpifusion.tools.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--preset", "tiny", "--strategy", "shm"])
+    assert args.strategy == "shm"
+
+
+def test_below_thread_multiple_is_refused_naming_the_rank(monkeypatch):
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    with pytest.raises(OptionError, match=r"rank 0: strategy 'shm': expected MPI "
+                                          r"initialised at MPI_THREAD_MULTIPLE"):
+        Communicator(MPI.COMM_SELF, CommOptions(strategy="shm"))
