@@ -31,6 +31,9 @@ ORDERS = ("strict", "negotiated")
 #: how a segment is all-reduced: the library's collective, or mpifusion's ring of Isendrecv
 ALLREDUCE_ENV = "MPIFUSION_ALLREDUCE"
 ALLREDUCE_WAYS = ("auto", "mpi", "ring")
+#: ``shm``/``hierarchical``: ranks per node, to treat consecutive groups of ranks as nodes
+#: (emulated nodes on one machine); unset: the nodes MPI reports (COMM_TYPE_SHARED)
+NODE_SIZE_ENV = "MPIFUSION_NODE_SIZE"
 #: NaN/Inf check before communication; Paddle's flag name works too.
 NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
 CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
@@ -40,9 +43,9 @@ TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
 
-STRATEGIES = ("thread", "nonblocking", "shm")
+STRATEGIES = ("thread", "nonblocking", "shm", "hierarchical")
 #: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking`` (never
-#: ``shm`` yet: it is chosen explicitly).
+#: ``shm`` or ``hierarchical`` yet: they are chosen explicitly).
 DEFAULT_STRATEGY = "auto"
 #: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
 #: ``thread`` strategy's default segment size is the machine's (``machine.segment_for``).
@@ -75,7 +78,7 @@ def parse_bool(value: Any, what: str) -> bool:
 def parse_strategy(value: Any, what: str = "strategy") -> str:
     key = str(value).strip().lower().replace("_", "").replace("-", "")
     key = {"nb": "nonblocking", "plain": "nonblocking", "threaded": "thread",
-           "shared": "shm", "sharedmemory": "shm"}.get(key, key)
+           "shared": "shm", "sharedmemory": "shm", "hier": "hierarchical"}.get(key, key)
     if key not in STRATEGIES + ("auto",):
         raise OptionError(f"{what}: expected one of {', '.join(STRATEGIES)} or auto, "
                           f"got {value!r}")
@@ -117,15 +120,18 @@ def parse_window(value: Any, what: str = "window") -> int:
     return int(value)
 
 
+def unset(value: Any) -> bool:
+    """None, or a string of blanks: an optional option left unset (its default applies)."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def parse_timeout(value: Any, what: str = "timeout") -> Optional[float]:
     """Seconds, strictly: ``None``/``inf``/anything above :data:`MAX_TIMEOUT` mean no
     deadline; NaN, zero, negatives and non-numbers are refused (they are typos, not intent)."""
-    if value is None:
+    if unset(value):
         return None
     if isinstance(value, str):
         text = value.strip()
-        if not text:
-            return None
         try:
             value = float(text)
         except ValueError:
@@ -141,6 +147,17 @@ def parse_timeout(value: Any, what: str = "timeout") -> Optional[float]:
         raise OptionError(f"{what}: expected a number of seconds > 0 (or inf for no "
                           f"deadline), got {value!r}")
     return None if seconds > MAX_TIMEOUT else seconds
+
+
+def parse_node_size(value: Any, what: str = "node_size") -> Optional[int]:
+    """Ranks per (emulated) node: an int >= 1 (strings of one accepted), or None."""
+    if unset(value):
+        return None
+    if isinstance(value, str):
+        value = int(value.strip()) if value.strip().isdigit() else value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise OptionError(f"{what}: expected an int >= 1 (ranks per node), got {value!r}")
+    return int(value)
 
 
 def parse_order(value: Any, what: str = "order") -> str:
@@ -203,6 +220,7 @@ _ENV_FIELDS = (
     ("order", ORDER_ENV, parse_order),
     ("verify_order", VERIFY_ORDER_ENV, parse_bool),
     ("allreduce", ALLREDUCE_ENV, parse_allreduce),
+    ("node_size", NODE_SIZE_ENV, parse_node_size),
 )
 
 
@@ -213,8 +231,11 @@ class CommOptions:
     ``strategy``: ``"thread"`` (blocking collectives in segments on a communication thread),
     ``"nonblocking"`` (Iallreduce/Ireduce/... from the caller), ``"shm"`` (the ranks of one
     node reduce directly in MPI-3 shared windows that hold the buffers, driven by a
-    communication thread; ``thread`` where the ranks span nodes) or ``"auto"`` (``thread``
-    where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``segment_bytes``: size
+    communication thread; ``thread`` where the ranks span nodes), ``"hierarchical"`` (``shm``
+    within each node, MPI between the ranks that hold the same slice on every node) or
+    ``"auto"`` (``thread`` where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``node_size``:
+    ranks per node for ``shm``/``hierarchical``, consecutive ranks forming a node (emulated
+    nodes; ``None``: the nodes MPI reports). ``segment_bytes``: size
     of the pieces a buffer is reduced in; ``None`` takes the strategy's default, 0 means one
     piece. ``timeout``: seconds any wait may take (``None``: forever). ``check_agreement``:
     compare what every rank builds at construction. ``order``: ``"strict"`` (collectives run
@@ -237,6 +258,7 @@ class CommOptions:
     verify_order: bool = True
     window: int = DEFAULT_WINDOW
     allreduce: str = "auto"
+    node_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", parse_strategy(self.strategy))
@@ -249,6 +271,7 @@ class CommOptions:
         object.__setattr__(self, "verify_order", parse_bool(self.verify_order, "verify_order"))
         object.__setattr__(self, "window", parse_window(self.window))
         object.__setattr__(self, "allreduce", parse_allreduce(self.allreduce))
+        object.__setattr__(self, "node_size", parse_node_size(self.node_size))
 
     def with_(self, **changes: Any) -> "CommOptions":
         """A copy with some fields changed (``None`` values are ignored)."""

@@ -15,6 +15,9 @@ decides whether each MPI call runs blocking (``thread``) or as its non-blocking 
   finish what is in flight (:data:`FENCE` is a pause of 0).
 - :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
   the engine, ``Engine.start_check``): a fence, non-blocking on every engine.
+- ``comm``: the communicator the call runs on, where it is not the engine's own (the
+  ``hierarchical`` strategy's node and cross-node communicators, private to its stream, so
+  that their calls stay in the stream's order too).
 
 A method already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
 engine (the thread engine then waits for it): the order check always is, so that the checks
@@ -44,6 +47,7 @@ class Call(NamedTuple):
     #: seconds the thread engine sleeps (``method`` None, not ``check``)
     pause: float = 0.0
     check: bool = False
+    comm: Any = None
 
 
 Steps = Iterator[Call]
@@ -57,7 +61,7 @@ _make = tuple.__new__  # Call(...) without its keyword handling: once per segmen
 def pipelined(method: str, args: tuple, kwargs: Mapping[str, Any] = NO_KWARGS,
               land: Optional[Callable[[], None]] = None) -> Call:
     """A call the engine may keep in flight while the generator prepares the next one."""
-    return _make(Call, (method, args, kwargs, land, False, 0.0, False))
+    return _make(Call, (method, args, kwargs, land, False, 0.0, False, None))
 
 
 def pause(seconds: float) -> Call:

@@ -24,6 +24,13 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
     falls back to ``thread`` (agreed at construction, logged with the reason; ``strategy``
     then says ``thread`` and ``shm_fallback`` why). Device (cupy) and non-contiguous arrays
     take ``thread``'s collectives on the same stream.
+``hierarchical``
+    Across nodes: ``shm`` within each node, and between the nodes an MPI collective on each
+    rank's slice over the ranks that hold the same slice on every node (reduce-scatter +
+    all-gather, reduce or reduce-scatter; all-gather for ``sync_params``), on the same
+    communication thread. ``node_size`` treats consecutive groups of ranks as nodes (nodes
+    emulated on one machine); else the nodes MPI reports, which must hold equally many ranks
+    numbered node by node (else ``thread``, with the reason).
 
 Every collective is written once, as a generator of MPI calls (``collectives.py``,
 ``shm_collectives.py``); a strategy only decides whether each call is blocking (on the
@@ -53,9 +60,10 @@ from ..machine import segment_for
 from . import health, order as order_mod, shm_collectives as shm_steps
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
-from .shm import NodeMemory, ShmStream, memory_for
+from .shm import (NodeMemory, ShmStream, agree_max, memory_for, node_layout,
+                  ranks_on_node)
 from .engines import ThreadEngine
-from .registry import engine_for, engines_of, private_comm
+from .registry import engine_for, engines_of, private_comm, private_split
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
 from .call import Steps, as_nonblocking
 from .record import Collective
@@ -143,7 +151,8 @@ class Communicator:
             if not threads:
                 logger.info("rank %d: MPI is not at MPI_THREAD_MULTIPLE; using the "
                             "'nonblocking' strategy", comm.Get_rank())
-        if options.strategy in ("thread", "shm") and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        if (options.strategy in ("thread", "shm", "hierarchical")
+                and MPI.Query_thread() < MPI.THREAD_MULTIPLE):
             raise OptionError(f"rank {comm.Get_rank()}: strategy {options.strategy!r}: "
                               f"expected MPI "
                               f"initialised at MPI_THREAD_MULTIPLE, got level "
@@ -190,6 +199,7 @@ class Communicator:
                 ("segment_bytes", "machine default (smallest over ranks)" if explicit is None
                  else str(explicit)),
                 ("window", str(self.window)), ("allreduce", self.allreduce_way),
+                ("node_size", str(self.options.node_size)),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -217,7 +227,7 @@ class Communicator:
                     minimum=self.segment_bytes if self.options.segment_bytes is None else None)
                 if low is not None:
                     self.segment_bytes = low
-            if self.strategy == "shm":
+            if self.strategy in ("shm", "hierarchical"):
                 self._open_shm(where)
             tag = self._stream_tag()
             self.comm = private_comm(self.user_comm, tag, self.timeout)
@@ -239,27 +249,50 @@ class Communicator:
                 + ("" if self.verify else "/unverified"))
 
     def _open_shm(self, where: str) -> None:
-        """Take the ``shm`` strategy where every rank is on one node and the stream's shared
-        window could be made, else fall back to ``thread`` -- decided by all ranks together
-        (all-reduces on the node communicator), so every rank runs the same calls."""
-        node = private_comm(self.user_comm, "shm/memory", self.timeout)
-        memory = memory_for(node, self.timeout)
-        memory.timeout = self.timeout  # its all-reduces now are bounded by this deadline
-        here = self._node_probe(node) if self._node_probe is not None else memory.node_ranks
-        spans, fewest = memory.agree_max([int(here < self.size), -here], f"{where}: shm")
-        reason = None
-        if spans:
-            reason = (f"comm_group spans nodes (a node holds as few as {-int(fewest)} of its "
-                      f"{self.size} ranks); shared windows need every rank on one node")
+        """Take ``shm`` where every rank is on one node (``hierarchical``: where the nodes
+        hold equally many ranks, numbered node by node) and the stream's shared windows could
+        be made, else fall back to ``thread`` -- decided by all ranks together (all-reduces),
+        so every rank runs the same calls. ``node_size`` emulates nodes of that many ranks."""
+        world = private_comm(self.user_comm, "shm/memory", self.timeout)
+        node_size = self.options.node_size
+        reason = ""
+        if self.strategy == "shm":
+            probe = self._node_probe or ranks_on_node
+            here = node_size if node_size is not None else probe(world)
+            spans, fewest = agree_max(world, [int(here < self.size), -here],
+                                      f"{where}: shm", self.timeout)
+            if spans:
+                reason = (f"comm_group spans nodes (a node holds as few as {-int(fewest)} of "
+                          f"its {self.size} ranks); shared windows need every rank on one "
+                          f"node (strategy 'hierarchical' spans nodes)")
+            node = world
         else:
+            color, local, per, reason = node_layout(world, node_size, self.timeout)
+            if not reason:
+                node = private_split(self.user_comm, f"shm/memory/{per}", color, self.rank,
+                                     self.timeout)
+        stream = None
+        if not reason:
+            memory = memory_for(node, self.timeout)
+            memory.timeout = self.timeout  # its all-reduces now are bounded by this deadline
             stream, reason = memory.stream(self._stream_tag(), where)
-            if stream is not None:
-                self._memory, self._shm = memory, stream
-                return
+            if self.strategy == "hierarchical":  # a node without its window: none use theirs
+                if agree_max(world, [int(stream is None)], f"{where}: hierarchical",
+                             self.timeout)[0]:
+                    stream, reason = None, reason or "a shared window failed on another node"
+                elif stream.cross is None:
+                    tag = self._stream_tag()
+                    stream.span(private_split(self.user_comm, tag + "/node", color, self.rank,
+                                              self.timeout),
+                                private_split(self.user_comm, tag + "/cross", local, color,
+                                              self.timeout))
+        if stream is not None:
+            self._memory, self._shm = memory, stream
+            return
         self.shm_fallback = reason
+        logger.warning("rank %d: strategy %r unavailable, using 'thread': %s",
+                       self.rank, self.strategy, reason)
         self.strategy = "thread"
-        logger.warning("rank %d: strategy 'shm' unavailable, using 'thread': %s",
-                       self.rank, reason)
 
     def reserve(self, sizes: Sequence[Tuple[int, Any]], like: Any,
                 where: str = "") -> List[Any]:

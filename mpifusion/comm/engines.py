@@ -269,8 +269,8 @@ class NonBlockingEngine(Engine):
                 continue
             try:
                 request = (self.start_check() if method is None
-                           else getattr(comm, nonblocking_name(method))(*call.args,
-                                                                        **call.kwargs))
+                           else getattr(comm if call.comm is None else call.comm,
+                                        nonblocking_name(method))(*call.args, **call.kwargs))
             except Exception as exc:
                 self._stop(task, exc)
                 continue
@@ -448,7 +448,8 @@ class ThreadEngine(Engine):
                 if self.abandoned is not None:
                     raise self._refused()
                 out = (self.start_check() if method is None
-                       else getattr(comm, method)(*call.args, **call.kwargs))
+                       else getattr(comm if call.comm is None else call.comm,
+                                    method)(*call.args, **call.kwargs))
                 land = call.land
                 if deadline is None:
                     if method is None or method[0] == "I":

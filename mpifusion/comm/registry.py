@@ -100,6 +100,25 @@ def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None)
         return dup
 
 
+def private_split(comm: MPI.Comm, tag: str, color: int, key: int,
+                  timeout: Optional[float] = None) -> MPI.Comm:
+    """``comm.Split(color, key)`` made once per communicator and ``tag``, cached and released
+    as the duplicates are (the ``hierarchical`` strategy's node and cross-node groups). Split
+    has no non-blocking form: it runs on a duplicate made by :func:`private_comm`'s polled
+    Idup, so a rank that never comes is a CommTimeoutError there, not a hang here."""
+    with _REGISTRY_LOCK:
+        cached = comm.Get_attr(_keyval())
+        if cached is not None and tag in cached:
+            return cached[tag]
+    base = private_comm(comm, tag + "/base", timeout)
+    part = base.Split(color, key)
+    with _REGISTRY_LOCK:
+        dups = comm.Get_attr(_keyval())
+        dups[tag] = part
+        _LIVE[part.py2f()] = part
+    return part
+
+
 def private_comms_of(comm: MPI.Comm) -> dict:
     """``{tag: duplicate}`` made for ``comm`` so far (empty after :func:`release`)."""
     dups = comm.Get_attr(_keyval())

@@ -55,6 +55,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import OptionError
+from .call import Call
 from .health import wait_request
 
 #: every window's segment (and every region in it) starts on its own page: aligned for any
@@ -98,6 +100,53 @@ def ranks_on_node(comm: MPI.Comm) -> int:
         return node.Get_size()
     finally:
         node.Free()
+
+
+def agree_max(comm: MPI.Comm, values: Sequence[int], what: str,
+              timeout: Optional[float]) -> np.ndarray:
+    """The element-wise maximum of ``values`` over the ranks of ``comm``: a polled
+    Iallreduce bounded by ``timeout`` (a rank that never comes: CommTimeoutError). Every
+    decision that changes which calls a rank makes is taken this way, never by one rank."""
+    send = np.asarray(values, dtype=np.int64)
+    recv = np.empty_like(send)
+    if comm.Get_size() == 1:
+        return send
+    req = comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX)
+    wait_request(req, timeout,
+                 lambda: (f"rank {comm.Get_rank()}: {what}: not every rank came within "
+                          f"{timeout:g} s"), keep=(send, recv))
+    return recv
+
+
+def node_layout(comm: MPI.Comm, node_size: Optional[int],
+                timeout: Optional[float]) -> Tuple[int, int, int, str]:
+    """``(node, local rank, ranks per node, why not)`` of this rank for ``hierarchical``:
+    with ``node_size``, consecutive groups of that many ranks are the nodes (emulated);
+    else MPI's nodes (``COMM_TYPE_SHARED``), which must hold equally many ranks, numbered
+    node by node (rank = node * ranks per node + local rank), agreed over ``comm``; where
+    they do not, ``why not`` says so (every rank gets the same answer)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if node_size is not None:
+        if size % node_size:
+            raise OptionError(f"rank {rank}: node_size: expected a divisor of the "
+                              f"communicator's {size} ranks, got {node_size}")
+        return rank // node_size, rank % node_size, node_size, ""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local, per = node.Get_rank(), node.Get_size()
+        first = node.allreduce(rank, op=MPI.MIN)
+    finally:
+        node.Free()
+    ordered = rank - first == local and first % per == 0
+    bad, most, fewest = agree_max(comm, [int(not ordered), per, -per], "node layout",
+                                  timeout).tolist()
+    if most != -fewest:
+        return 0, 0, 0, (f"the nodes hold {-fewest} to {most} ranks; hierarchical needs "
+                         f"the same number on every node")
+    if bad:
+        return 0, 0, 0, ("the ranks are not numbered node by node (rank = node * ranks "
+                         "per node + local rank)")
+    return rank // per, local, per, ""
 
 
 def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
@@ -173,12 +222,26 @@ class ShmStream:
         self.rank, self.size = memory.rank, memory.size
         #: bytes of each rank's scratch (the same on every rank: the window's size)
         self.scratch_bytes = window.nbytes - SCRATCH_OFFSET
+        #: the node's barrier: on the engine's own communicator (``shm``: one node), or on
+        #: the stream's node communicator (``hierarchical``, see :meth:`span`)
+        self.barrier = Call("Barrier")
+        #: ``hierarchical``: the ranks of this local index on every node, this node's index
+        #: and the number of nodes (``shm``: None, 0, 1)
+        self.cross: Optional[MPI.Comm] = None
+        self.node, self.nodes = 0, 1
         self.serial = 0
         self._work: Dict[Tuple[Any, int], np.ndarray] = {}
         self._rows = [seg[:ROW_WORDS * 8].view(np.int64)[:len(ROW_FIELDS)]
                       for seg in window.segments]
         self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
         self._scratch: Dict[Tuple[int, Any], np.ndarray] = {}
+
+    def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
+        """Make this a ``hierarchical`` stream: barriers on ``node_comm`` (the stream's own
+        copy of the node's ranks), the cross-node step on ``cross`` (ranked by node)."""
+        self.barrier = Call("Barrier", comm=node_comm)
+        self.cross = cross
+        self.node, self.nodes = cross.Get_rank(), cross.Get_size()
 
     def row(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s descriptor row (int64 words, ``ROW_FIELDS``)."""
@@ -220,25 +283,14 @@ class NodeMemory:
         self.windows: Dict[int, SharedWindow] = {}   # by serial (the same on every rank)
         self.streams: Dict[str, ShmStream] = {}      # by stream tag
         self.serial = next(_SERIAL)
-        self.node_ranks = ranks_on_node(comm)
 
     # -- agreement (every decision that changes the calls is taken by all ranks together)
     def agree_max(self, values: Sequence[int], what: str, bounded: bool = True) -> np.ndarray:
-        """The element-wise maximum of ``values`` over the ranks: a polled Iallreduce,
-        ``bounded`` by the communicator's timeout at construction (a rank that never comes
-        gives a CommTimeoutError); unbounded when freeing, as ``MPI_Win_free`` itself is (a
-        rank that gave up would leave the request posted, a late peer would complete it and
-        then wait in a ``Win_free`` this rank never calls)."""
-        timeout = self.timeout if bounded else None
-        send = np.asarray(values, dtype=np.int64)
-        recv = np.empty_like(send)
-        if self.size == 1:
-            return send
-        req = self.comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX)
-        wait_request(req, timeout,
-                     lambda: (f"rank {self.rank}: {what}: not every rank of the node came "
-                              f"within {timeout:g} s"), keep=(send, recv))
-        return recv
+        """:func:`agree_max` over the node: ``bounded`` by the communicator's timeout at
+        construction; unbounded when freeing, as ``MPI_Win_free`` itself is (a rank that gave
+        up would leave the request posted, a late peer would complete it and then wait in a
+        ``Win_free`` this rank never calls)."""
+        return agree_max(self.comm, values, what, self.timeout if bounded else None)
 
     # -- windows
     def allocate(self, nbytes: int, internal: bool = False) -> SharedWindow:
@@ -410,5 +462,6 @@ def live_windows() -> int:
         return sum(len(m.windows) for m in list(_MEMORY.values()) + _KEPT)
 
 
-__all__ = ["NodeMemory", "SharedWindow", "ShmStream", "free_at_exit", "free_bytes",
-           "live_windows", "memory_for", "ranks_on_node", "release_memory"]
+__all__ = ["NodeMemory", "SharedWindow", "ShmStream", "agree_max", "free_at_exit",
+           "free_bytes", "live_windows", "memory_for", "node_layout", "ranks_on_node",
+           "release_memory"]

@@ -1,9 +1,10 @@
-"""The ``shm`` strategy's collectives, each a generator of calls like ``collectives.py``.
+"""The ``shm`` and ``hierarchical`` strategies' collectives, each a generator of calls like
+``collectives.py``.
 
-The only MPI calls are barriers on the stream's private duplicate, so the engines, the
-order check, negotiation, deadlines and the abandon rules apply unchanged; the work between
-the barriers is loads and stores in MPI-3 shared windows (``shm.py``), run by the stream's
-communication thread (so it overlaps ``add_grad``). Every collective:
+With ``shm`` the only MPI calls are barriers on the stream's private duplicate, so the
+engines, the order check, negotiation, deadlines and the abandon rules apply unchanged; the
+work between the barriers is loads and stores in MPI-3 shared windows (``shm.py``), run by
+the stream's communication thread (so it overlaps ``add_grad``). Every collective:
 
 1. writes this rank's descriptor row (what it runs, where its array lies) and, if its array
    is not in a window, stages the first round into its scratch; barrier;
@@ -22,12 +23,21 @@ in rank order is the left-to-right sum MPI's reduction describes. Half precision
 half, summed and scaled in fp32, and rounded once (``halfcast``); fp32 sums in fp32, fp64
 in fp64. Values a collective leaves in place (a reduce's non-roots, a reduce-scatter's other
 shards) are scaled only after the last barrier: the peers read them until then.
+
+``hierarchical`` runs the same steps within each node (barriers on the stream's node
+communicator) and, between the node sum of each chunk and its scaling, a collective over the
+ranks of the same local index on every node (``ShmStream.cross``): a reduce-scatter then an
+all-gather of the blocks for all-reduce (each block summed in one place: the same bits on every
+node), a reduce for reduce, a reduce-scatter of the node sums of the shards this local index
+owns for reduce-scatter; all-gather runs over the nodes first, then within the node. Ranks
+are numbered node by node (rank = node * ranks per node + local rank).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from mpi4py import MPI
 
 from ..arrays import backend, halfcast
 from ..dtypes import HALF, float32
@@ -36,7 +46,8 @@ from .call import Call, Steps
 from .order import order_message
 from .shm import DESC_WORDS, ShmStream
 
-BARRIER = Call("Barrier")
+#: predefined MPI types of the accumulators (fp32, fp64), by dtype.char
+_MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}
 #: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk (1 MiB: with the
 #: p source chunks it stays in a 2-4 MiB L2; the prototype of issue 29 measured it)
 CHUNK_BYTES = 1 << 20
@@ -99,17 +110,24 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
 
 
 def _barrier(stream: ShmStream) -> Steps:
-    """A barrier with the memory fences around it (see ``shm.py``, memory ordering)."""
+    """A barrier of the node's ranks with the memory fences around it (see ``shm.py``,
+    memory ordering)."""
     stream.window.sync()
-    yield BARRIER
+    yield stream.barrier
     stream.window.sync()
+
+
+Cross = Optional[Callable[[np.ndarray], Steps]]
 
 
 def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
-              lo: int, hi: int, scale: Optional[float], chunk: int) -> None:
+              lo: int, hi: int, scale: Optional[float], chunk: int,
+              cross: Cross = None) -> Steps:
     """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
     ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
-    as half and rounded once), the same bits whoever computes it."""
+    as half and rounded once where a dest is half), the same bits whoever computes it.
+    ``cross``: the calls that sum each chunk's accumulator over the nodes, in place, before
+    it is scaled (``hierarchical``; its chunks are the same on every node)."""
     if hi <= lo:
         return
     dtype = sources[0].dtype
@@ -132,10 +150,14 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
                 np.add(acc, src[a:b], out=acc)
         else:
             acc[...] = sources[0][a:b]
+        if cross is not None:
+            yield from cross(acc)
         if scale is not None:
             backend.scale_(acc, scale)
+        if not dests:
+            continue
         first = dests[0][a:b]
-        if half:
+        if first.dtype in HALF:
             halfcast.narrow(acc, first)
         else:
             first[...] = acc
@@ -148,31 +170,76 @@ def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
+def _spec(arr: np.ndarray) -> list:
+    return [arr, _MPI_TYPES[arr.dtype.char]]
+
+
+def _counts(m: int, n: int) -> Tuple[list, list]:
+    """``n`` block sizes (differing by at most one) of ``m`` elements, and their offsets."""
+    cuts = [m * i // n for i in range(n + 1)]
+    return [cuts[i + 1] - cuts[i] for i in range(n)], cuts[:-1]
+
+
+def _cross_allreduce(stream: ShmStream) -> Callable[[np.ndarray], Steps]:
+    """Sum a node's accumulator over the nodes so that every node holds the same bits: a
+    reduce-scatter (each block summed in one place) then an all-gather of the blocks."""
+    def steps(acc: np.ndarray) -> Steps:
+        counts, displs = _counts(acc.size, stream.nodes)
+        part = stream.work(2, counts[stream.node], acc.dtype)
+        yield Call("Reduce_scatter", (_spec(acc), _spec(part)),
+                   {"recvcounts": counts, "op": MPI.SUM}, comm=stream.cross)
+        blocks = [acc, (counts, displs), _MPI_TYPES[acc.dtype.char]]
+        yield Call("Allgatherv", (_spec(part), blocks), comm=stream.cross)
+    return steps
+
+
+def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]:
+    """Sum a node's accumulator over the nodes into node ``node``'s."""
+    def steps(acc: np.ndarray) -> Steps:
+        send = MPI.IN_PLACE if stream.node == node else _spec(acc)
+        recv = _spec(acc) if stream.node == node else None
+        yield Call("Reduce", (send, recv), {"op": MPI.SUM, "root": node}, comm=stream.cross)
+    return steps
+
+
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
                     root: Optional[int], desc: Sequence[int], chunk: int, name: str,
                     sent_scale: Optional[float] = None) -> Steps:
     """All-reduce (``root`` None) or reduce to ``root`` of a host array. ``sent_scale``: a
-    reduce's other ranks scale their own values by it once the peers are done reading."""
+    reduce's other ranks scale their own values by it once the peers are done reading.
+
+    ``hierarchical`` (``stream.cross``): the node's sum of each chunk of this rank's slice is
+    summed over the nodes by the ranks holding the same slice on every node, then written to
+    every rank of the node (or the root's); its rounds are always a scratch's size, so every
+    node cuts the same slices whether or not it stages."""
     flat = buf.reshape(-1)
     rank, p = stream.rank, stream.size
-    lands = root is None or root == rank
+    me = stream.node * p + rank
+    root_node, root_local = (-1, -1) if root is None else divmod(root, p)
+    lands = root is None or root == me
     cap = stream.scratch_bytes // flat.itemsize
     mine = stream.scratch(rank, flat.dtype)
     arrays = yield from _opening(
         stream, desc, flat, lambda: np.copyto(mine[:min(cap, flat.size)], flat[:cap]), name)
     staged = [q for q in range(p) if arrays[q] is None]
-    rounds = _rounds(flat.size, cap if staged else max(flat.size, 1))
+    cross: Cross = None
+    if stream.cross is not None:
+        cross = _cross_allreduce(stream) if root is None else _cross_reduce(stream, root_node)
+    rounds = _rounds(flat.size, cap if staged or cross else max(flat.size, 1))
     for i, (a, b) in enumerate(rounds):
         m = b - a
-        if i:
+        if i and staged:
             if rank in staged:
                 mine[:m] = flat[a:b]
             yield from _barrier(stream)
         parts = [arrays[q][a:b] if arrays[q] is not None
                  else stream.scratch(q, flat.dtype)[:m] for q in range(p)]
-        _sum_into(stream, parts, parts if root is None else [parts[root]],
-                  _cut(m, rank, p), _cut(m, rank + 1, p), scale, chunk)
-        yield from _barrier(stream)
+        dests = (parts if root is None else
+                 [parts[root_local]] if stream.node == root_node else [])
+        yield from _sum_into(stream, parts, dests, _cut(m, rank, p), _cut(m, rank + 1, p),
+                             scale, chunk, cross)
+        if staged or i == len(rounds) - 1:
+            yield from _barrier(stream)
         if rank in staged and lands:
             flat[a:b] = mine[:m]
     if not lands and sent_scale is not None:
@@ -185,64 +252,118 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
     """This rank's shard of the sum of every rank's ``sendbuf`` into ``recvbuf`` (which may
     be that shard of ``sendbuf``); the other shards of ``sendbuf`` keep this rank's values,
     scaled by ``others_scale`` after the last barrier. A staged round packs piece ``k`` of
-    every shard but this rank's own (which only this rank reads, in place)."""
+    every shard that a node peer sums (not this rank's own, which it reads in place).
+
+    ``hierarchical``: local rank ``l`` sums, over its node, the shards that local rank ``l``
+    of every node owns, then a reduce-scatter over those ranks gives each its own shard."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
-    rank, p = stream.rank, stream.size
+    rank, p, nodes = stream.rank, stream.size, stream.nodes
     shard = recv.size
+    everyone = p * nodes
     mine = stream.scratch(rank, send.dtype)
-    piece_staged = max(1, min(stream.scratch_bytes // send.itemsize // p, shard))
+    piece_staged = max(1, min(stream.scratch_bytes // send.itemsize // everyone, shard))
+    owned = [k * p + rank for k in range(nodes)]  # the shards this rank sums on its node
 
     def stage(a: int, b: int) -> None:
         w = b - a
-        for s in range(p):
-            if s != rank:
+        for s in range(everyone):
+            if s % p != rank:
                 mine[s * w:(s + 1) * w] = send[s * shard + a:s * shard + b]
 
     arrays = yield from _opening(
         stream, desc, send, lambda: stage(0, min(piece_staged, shard)), name)
     staged = any(arr is None for arr in arrays)
-    for i, (a, b) in enumerate(_rounds(shard, piece_staged if staged else max(shard, 1))):
+    hier = stream.cross is not None
+    rounds = _rounds(shard, piece_staged if staged or hier else max(shard, 1))
+    wide = float32 if send.dtype in HALF else send.dtype
+    for i, (a, b) in enumerate(rounds):
         w = b - a
-        if i:
+        if i and staged:
             if arrays[rank] is None:
                 stage(a, b)
             yield from _barrier(stream)
-        own = slice(rank * shard + a, rank * shard + b)
-        parts = [send[own] if q == rank else arrays[q][own] if arrays[q] is not None
-                 else stream.scratch(q, send.dtype)[rank * w:(rank + 1) * w]
-                 for q in range(p)]
-        _sum_into(stream, parts, [recv[a:b]], 0, w, scale, chunk)
-        yield from _barrier(stream)
+
+        def parts(s: int) -> List[np.ndarray]:
+            at = slice(s * shard + a, s * shard + b)
+            return [send[at] if q == rank else arrays[q][at] if arrays[q] is not None
+                    else stream.scratch(q, send.dtype)[s * w:(s + 1) * w] for q in range(p)]
+
+        if not hier:
+            yield from _sum_into(stream, parts(owned[0]), [recv[a:b]], 0, w, scale, chunk)
+        else:
+            block = stream.work(3, nodes * w, wide).reshape(nodes, w)
+            for k, s in enumerate(owned):
+                yield from _sum_into(stream, parts(s), [block[k]], 0, w, None, chunk)
+            out = stream.work(4, w, wide)
+            yield Call("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(out)),
+                       {"op": MPI.SUM}, comm=stream.cross)
+            if scale is not None:
+                backend.scale_(out, scale)
+            if recv.dtype in HALF:
+                halfcast.narrow(out, recv[a:b])
+            else:
+                recv[a:b] = out
+        if staged or i == len(rounds) - 1:
+            yield from _barrier(stream)
     if others_scale is not None:
-        for s in range(p):
-            if s != rank:
+        for s in range(everyone):
+            if s != stream.node * p + rank:
                 backend.scale_(send[s * shard:(s + 1) * shard], others_scale)
+
+
+def _cross_allgather(stream: ShmStream, flat: np.ndarray, shard: int) -> Steps:
+    """``hierarchical``: this rank's shard to the ranks of the same local index on every
+    node, and theirs into this rank's array, in pieces of at most :data:`CHUNK_BYTES`."""
+    nodes, p, rank = stream.nodes, stream.size, stream.rank
+    me = stream.node * p + rank
+    piece = max(1, min(shard, CHUNK_BYTES // max(flat.itemsize, 1) // nodes))
+    for a in range(0, shard, piece):
+        b = min(a + piece, shard)
+        block = stream.work(5, nodes * (b - a) * flat.itemsize, np.uint8)
+        yield Call("Allgather", ([flat[me * shard + a:me * shard + b].view(np.uint8), MPI.BYTE],
+                                 [block, MPI.BYTE]), comm=stream.cross)
+        rows = block.view(flat.dtype).reshape(nodes, b - a)
+        for k in range(nodes):
+            if k != stream.node:
+                s = k * p + rank
+                flat[s * shard + a:s * shard + b] = rows[k]
 
 
 def allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
                     name: str) -> Steps:
     """Every rank's shard of ``buf`` (its own, in place) into every rank's ``buf``: raw
-    copies, any dtype."""
+    copies, any dtype. ``hierarchical``: first over the nodes (each rank gathers the shards
+    of its local index), then within the node (each rank copies its peers' shards)."""
     flat = buf.reshape(-1)
-    rank, p = stream.rank, stream.size
-    shard = flat.size // p
+    rank, p, nodes = stream.rank, stream.size, stream.nodes
+    shard = flat.size // (p * nodes)
+    if stream.cross is not None:
+        yield from _cross_allgather(stream, flat, shard)
     mine = stream.scratch(rank, flat.dtype)
-    piece_staged = max(1, min(stream.scratch_bytes // flat.itemsize, shard))
+    piece_staged = max(1, min(stream.scratch_bytes // flat.itemsize // nodes, shard))
 
     def stage(a: int, b: int) -> None:
-        mine[:b - a] = flat[rank * shard + a:rank * shard + b]
+        w = b - a
+        for k in range(nodes):
+            s = k * p + rank
+            mine[k * w:(k + 1) * w] = flat[s * shard + a:s * shard + b]
 
     arrays = yield from _opening(
         stream, desc, flat, lambda: stage(0, min(piece_staged, shard)), name)
     staged = any(arr is None for arr in arrays)
-    for i, (a, b) in enumerate(_rounds(shard, piece_staged if staged else max(shard, 1))):
+    rounds = _rounds(shard, piece_staged if staged else max(shard, 1))
+    for i, (a, b) in enumerate(rounds):
+        w = b - a
         if i:
             if arrays[rank] is None:
                 stage(a, b)
             yield from _barrier(stream)
         for q in range(p):
-            if q != rank:
-                src = (arrays[q][q * shard + a:q * shard + b] if arrays[q] is not None
-                       else stream.scratch(q, flat.dtype)[:b - a])
-                flat[q * shard + a:q * shard + b] = src
+            if q == rank:
+                continue
+            for k in range(nodes):
+                s = k * p + q
+                src = (arrays[q][s * shard + a:s * shard + b] if arrays[q] is not None
+                       else stream.scratch(q, flat.dtype)[k * w:(k + 1) * w])
+                flat[s * shard + a:s * shard + b] = src
         yield from _barrier(stream)

@@ -1,0 +1,128 @@
+"""The ``hierarchical`` strategy on emulated nodes (``node_size``): ``shm`` within each node,
+MPI between the ranks holding the same slice on every node.
+
+Under mpiexec, on a sub-communicator of the first ``nodes x per`` ranks (2x2, 2x4, 4x2 and
+3x2 where the run has enough ranks): every action of real FusedCommBuffers against float64
+references (inputs are multiples of 1/8, so only the final 1/n and rounding differ, and the
+comparison is bit for bit), the same bytes on every rank, and arrays outside the windows
+staged through a one-page scratch. Serially: a node size that does not divide the ranks.
+
+Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi
+tests/comm/test_hierarchical_strategy.py``.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpifusion import HookAction
+from mpifusion.comm import Communicator, release
+from mpifusion.comm import shm
+from mpifusion.config import CommOptions
+from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.errors import OptionError
+
+from tests.comm.test_shm_strategy import (SEGMENT, check_grads, exact_values, grads, make,
+                                          rounded, same_on_every_rank, total)
+
+LAYOUTS = [(2, 2), (2, 4), (4, 2), (3, 2)]  # nodes x ranks per node
+#: action and grad dtype of each buffer: every action, every dtype
+BUFFERS = [(HookAction.ALL_REDUCE, float32), (HookAction.REDUCE, bfloat16),
+           (HookAction.REDUCE_SCATTER, float16), (HookAction.ALL_REDUCE, np.dtype(np.float64))]
+
+
+def sub_comm(comm, nodes, per):
+    """The first ``nodes * per`` ranks (None on the others); skips where there are fewer."""
+    need = nodes * per
+    if comm.Get_size() < need:
+        pytest.skip(f"{nodes}x{per} nodes need {need} ranks")
+    sub = comm.Split(0 if comm.Get_rank() < need else MPI.UNDEFINED, comm.Get_rank())
+    return None if sub == MPI.COMM_NULL else sub
+
+
+def hier(per, **kw):
+    return CommOptions(strategy="hierarchical", node_size=per, segment_bytes=SEGMENT, **kw)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("nodes,per", LAYOUTS, ids=lambda v: str(v))
+def test_buffer_actions_over_emulated_nodes(comm, nodes, per):
+    sub = sub_comm(comm, nodes, per)
+    if sub is None:
+        return
+    try:
+        rank = sub.Get_rank()
+        for ident, (act, dtype) in enumerate(BUFFERS):
+            buf, params = make(sub, act, dtype, ident, comm_options=hier(per))
+            c = buf.comm
+            assert c.strategy == "hierarchical" and c.shm_fallback is None
+            assert (c._shm.nodes, c._shm.size, c._shm.node) == (nodes, per, rank // per)
+            for p, g in reversed(list(zip(params, grads(rank, 0, dtype)))):
+                buf.add_grad(p, grad=g)
+                assert c.in_shared_window(p.grad)
+            buf.scale_grads()
+            check_grads(buf, params, 0, dtype)
+            if act == HookAction.ALL_REDUCE:
+                same_on_every_rank(sub, buf.grad_storage, f"{nodes}x{per} {act.name}")
+            if act == HookAction.REDUCE_SCATTER:
+                lo, hi = buf.layout.shard_range(rank)
+                buf.param_storage[lo:hi] = exact_values(hi - lo, dtype, rank, 98)
+                buf.sync_params()
+                shard = buf.layout.shard_numel
+                np.testing.assert_array_equal(buf.param_storage, np.concatenate(
+                    [exact_values(shard, dtype, r, 98) for r in range(sub.Get_size())]))
+            buf.close()
+    finally:
+        release(sub)
+        sub.Free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_arrays_outside_the_windows_over_emulated_nodes(comm, monkeypatch):
+    """2x2 nodes, a one-page scratch: plain arrays on odd ranks, window arrays on even ones,
+    sizes from nothing to several rounds; the round structure is the same on every node."""
+    monkeypatch.setattr(shm, "SCRATCH_BYTES", 4096)
+    sub = sub_comm(comm, 2, 2)
+    if sub is None:
+        return
+    try:
+        n, rank = sub.Get_size(), sub.Get_rank()
+        c = Communicator(sub, hier(2))
+        for numel in (0, 7, 2503):
+            mine = exact_values(numel, float32, rank, numel, 1, 0)
+            region = c.reserve([(numel, float32)], np.empty(0))
+            x = region[0] if region and rank % 2 == 0 else np.empty(numel, np.float32)
+            x[...] = mine
+            c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+            np.testing.assert_array_equal(x, rounded(total(n, numel, float32, 1, numel),
+                                                     float32, 1.0 / n))
+            same_on_every_rank(sub, x, f"allreduce of {numel}")
+            x[...] = mine
+            c.reduce(x, root=1, scale=0.5).wait(timeout=60)
+            if rank == 1:
+                np.testing.assert_array_equal(
+                    x, rounded(total(n, numel, float32, 1, numel), float32, 0.5))
+            else:
+                np.testing.assert_array_equal(x, mine)
+        for shard in (1, 700):
+            numel = shard * n
+            mine = exact_values(numel, bfloat16, rank, numel, 2, 0)
+            region = c.reserve([(numel, bfloat16)], np.empty(0))
+            x = region[0] if rank % 2 == 0 else np.empty(numel, bfloat16)
+            x[...] = mine
+            c.reduce_scatter(x, x[rank * shard:(rank + 1) * shard], scale=1.0 / n).wait(
+                timeout=60)
+            np.testing.assert_array_equal(
+                x[rank * shard:(rank + 1) * shard],
+                rounded(total(n, numel, bfloat16, 2, numel), bfloat16, 1.0 / n)[
+                    rank * shard:(rank + 1) * shard])
+            c.allgather_inplace(x).wait(timeout=60)
+            same_on_every_rank(sub, x, f"all-gather of {numel}")
+    finally:
+        release(sub)
+        sub.Free()
+
+
+def test_node_size_must_divide_the_ranks():
+    with pytest.raises(OptionError, match=r"rank 0: node_size: expected a divisor of the "
+                                          r"communicator's 1 ranks, got 2"):
+        Communicator(MPI.COMM_SELF, CommOptions(strategy="hierarchical", node_size=2))
