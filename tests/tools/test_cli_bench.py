@@ -42,7 +42,8 @@ def test_unwritable_out_exits_2(tmp_path):
 
 def test_tiny_model_small_sweeps_applicable_targets_files_in_out(tmp_path):
     out_dir = tmp_path / "results"
-    proc = mpiexec(2, "bench", "--preset", "tiny", "--out", str(out_dir), *FAST, timeout=240)
+    proc = mpiexec(2, "bench", "--preset", "tiny", "--out", str(out_dir), *FAST[:-1],
+                   "thread,shm", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = sorted(p.name for p in out_dir.iterdir())
     assert files[0] == "bench_tiny_n2.json", files
@@ -59,10 +60,69 @@ def test_tiny_model_small_sweeps_applicable_targets_files_in_out(tmp_path):
     assert "add_grad per param" in shown and "raw collective" not in shown
     assert "target(s) not shown" in proc.stdout
     assert all(not t["applies"] for t in res["targets"] if "raw collective" in t["what"])
+    # issue 29: every strategy beside the memcpy floor (same rounds), the half step too
+    side = proc.stdout.split("## strategies side by side")[1].split("\n## ")[0]
+    header = next(line for line in side.splitlines() if line.startswith("| step"))
+    assert "x memcpy" in header and "x floor+scale" in header
+    for row in ("| ALL_REDUCE [thread]", "| ALL_REDUCE [shm]", "| ALL_REDUCE bfloat16 [shm]",
+                "| memcpy floor", "| floor + scale: Allreduce"):
+        assert row in side, side
+    assert res["memcpy"]["bytes"] == nbytes and len(res["memcpy"]["times_s"]) == 1
+    assert nbytes // 2 <= res["half_step"]["bytes"] < 0.55 * nbytes  # padding per param
+    assert res["skipped_strategies"] == {}
+    assert [r["bytes"] for r in res["small_buffers"]] == [4096, 16384, 65536]
+    assert "shm / thread, one 4-64 KiB buffer" in shown
+    assert all(not t["applies"] for t in res["targets"] if t["what"].startswith("shm ALL"))
     step = res["steps"]["REDUCE [thread]"]
     want = busbw("reduce", step["bytes"], step["median_s"], 2)
     assert f"| {want:.2f}" in next(line for line in proc.stdout.splitlines()
                                    if line.startswith("| REDUCE [thread]"))
+
+
+def test_strategies_not_usable_are_skipped_with_their_reason():
+    from mpi4py import MPI
+
+    from mpifusion.tools.bench.report import table_side_by_side
+    from mpifusion.tools.bench.workload import usable_strategies
+
+    every = ["thread", "nonblocking", "shm", "hierarchical"]
+    assert usable_strategies(every, MPI.THREAD_MULTIPLE) == (every, {})
+    usable, skipped = usable_strategies(every, MPI.THREAD_SERIALIZED)
+    assert usable == ["nonblocking"] and sorted(skipped) == ["hierarchical", "shm", "thread"]
+    assert all("MPI_THREAD_MULTIPLE" in why for why in skipped.values())
+    one = {"median_s": 2.0, "times_s": [2.0, 4.0]}
+    res = {"steps": {"ALL_REDUCE [nonblocking]": dict(one), "REDUCE [nonblocking]": one},
+           "memcpy": {"name": "memcpy floor", "median_s": 1.0, "times_s": [1.0, 1.0]},
+           "floor_with_scale": {"name": "floor+scale: Allreduce 4 MiB segments",
+                                "median_s": 4.0, "times_s": [4.0, 4.0]},
+           "skipped_strategies": skipped}
+    title, header, rows = table_side_by_side(res)
+    assert header == ["step", "median ms", "x memcpy", "x floor+scale", "note"]
+    assert rows[0][2:4] == ["3.00", "0.75"]  # per-round ratios, median of 2 and 4 / 1 and .5
+    assert [r[0] for r in rows[1:3]] == ["memcpy floor", "floor + scale: Allreduce 4 MiB "
+                                         "segments"]
+    assert [r[0] for r in rows[3:]] == [f"ALL_REDUCE [{s}]" for s in skipped]
+    assert all(r[-1].startswith("skipped: needs MPI_THREAD_MULTIPLE") for r in rows[3:])
+
+
+def test_shm_targets_from_one_run():
+    from mpifusion.tools.bench.targets import shm_targets
+
+    def t(*times):
+        return {"median_s": sorted(times)[len(times) // 2], "times_s": list(times)}
+    res = {"steps": {"ALL_REDUCE [shm]": t(1.0, 1.2, 1.1)},
+           "floor_with_scale": t(2.0, 2.0, 2.0), "memcpy": t(1.0, 1.0, 1.0),
+           "half_step": dict(t(0.5, 0.6, 0.9), strategy="shm", dtype="bfloat16"),
+           "small_buffers": [{"bytes": 4096, "shm": {"x_thread": 0.9}},
+                             {"bytes": 65536, "shm": {"x_thread": 1.1}}]}
+    got = {x.what: (round(x.value, 3), x.target, x.met) for x in shm_targets(res, True)}
+    assert got == {
+        "shm ALL_REDUCE step / (best raw Allreduce + 1/n)": (0.55, "<= 0.75", True),
+        "shm ALL_REDUCE step / memcpy of the grads": (1.1, "<= 1.25", True),
+        "shm ALL_REDUCE step, bfloat16 / float32": (0.5, "<= 0.75", True),
+        "shm / thread, one 4-64 KiB buffer (the slowest size)": (1.1, "<= 1.0", False)}
+    res["steps"]["ALL_REDUCE [shm]"]["fallback"] = "ran thread: spans nodes"
+    assert shm_targets(res, True) == []  # a fallen-back shm is thread: no shm targets
 
 
 def test_step_rows_take_their_collectives_factor():

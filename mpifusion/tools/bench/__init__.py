@@ -5,6 +5,11 @@ gradients, GPT-2-small fp32 by default):
 
 * mpifusion's full step (``add_grad`` of every param, comm, ``scale_grads``) for ALL_REDUCE,
   REDUCE and REDUCE_SCATTER (+ ``sync_params``), per communication strategy;
+* every strategy side by side with a memcpy floor (a numpy copy of the same grad bytes) and
+  the best raw segmented ``Allreduce`` + 1/n, in the same rounds, with a bf16 step of the
+  ``shm`` strategy beside an fp32 run and one small (4-64 KiB) buffer per strategy; a
+  strategy this job cannot run (threaded ones below MPI_THREAD_MULTIPLE) is skipped with its
+  reason (issue 29);
 * the raw MPI candidates on one contiguous buffer (the floor for this MPI), a naive
   ``Iallreduce`` of the flat buffer, per-param ``Iallreduce`` and torch gloo (when installed);
 * a sweep of message sizes (algbw/busbw, nccl-tests definitions, ``tools.bandwidth``) and of

@@ -28,8 +28,13 @@ from ..timing import mpi_name, round_ratio, timeit, timeit_many
 from .baselines import gloo_allreduce, raw_candidates, raw_other, segmented_allreduce
 from .probes import add_grad_cost, overlap, peak_memory
 from .settings import Settings, auto_group_sweep, auto_size_sweep
-from .workload import (AUTO_STRATEGY, MiB, build_buffers, default_segment, full_step,
-                       grad_bytes, make_params)
+from .workload import (AUTO_STRATEGY, HALF_DTYPE, MiB, build_buffers, default_segment,
+                       fallback_reason, full_step, grad_bytes, make_params, usable_strategies)
+
+#: buffer sizes of the small-buffer latency check (issue 29: no slower than thread)
+SMALL_BUFFER_BYTES = (4 << 10, 16 << 10, 64 << 10)
+#: steps per timed run of one small buffer, so the barrier around a run drops out
+SMALL_BUFFER_REPS = 20
 
 
 @dataclass
@@ -64,7 +69,14 @@ class Bench:
 
 
 def measure_meta(b: Bench) -> None:
-    """What the run is: model, ranks, MPI, versions, defaults."""
+    """What the run is: model, ranks, MPI, versions, defaults; and the strategies this job
+    cannot run, dropped with their reason (the report states it)."""
+    b.s.strategies, skipped = usable_strategies(b.s.strategies, MPI.Query_thread())
+    b.res["skipped_strategies"] = skipped
+    for name, why in skipped.items():
+        b.say(f"# strategy {name} skipped: {why}")
+    if not b.s.strategies:  # the step rows need one strategy: the one a default run takes
+        b.s.strategies = [AUTO_STRATEGY]
     params = b.params()
     b.res["meta"] = {
         "preset": b.s.preset, "dtype": str(params[0].data.dtype), "params": len(params),
@@ -85,7 +97,7 @@ def measure_meta(b: Bench) -> None:
 
 def measure_allreduce_steps(b: Bench) -> None:
     """mpifusion's ALL_REDUCE step per strategy against raw MPI and gloo, in rounds."""
-    b.say("# measuring ALL_REDUCE steps against raw MPI and gloo (in rounds) ...")
+    b.say("# measuring ALL_REDUCE steps against raw MPI, gloo and memcpy (in rounds) ...")
     fns: Dict[str, Callable[[], Any]] = {}
     meta_of: Dict[str, dict] = {}
     keep = []
@@ -96,8 +108,25 @@ def measure_allreduce_steps(b: Bench) -> None:
                  f"[{strategy}]")
         fns[label] = (lambda bufs=buffers: full_step(bufs, False))
         meta_of[label] = {"action": "ALL_REDUCE", "strategy": strategy, "reduce_avg": avg,
-                          "buffers": len(buffers), "bytes": grad_bytes(buffers)}
+                          "buffers": len(buffers), "bytes": grad_bytes(buffers),
+                          "fallback": fallback_reason(buffers, strategy)}
     nbytes = meta_of[f"ALL_REDUCE [{b.s.strategies[0]}]"]["bytes"]
+    # the half-precision step of the fastest strategy beside an fp32 run: half the bytes move
+    half_key = None
+    if np.dtype(b.params()[0].data.dtype) == np.float32:
+        hs = "shm" if "shm" in b.s.strategies else AUTO_STRATEGY
+        half = build_buffers(make_params(b.s.preset, HALF_DTYPE, seed=b.rank, fill=False),
+                             HookAction.ALL_REDUCE, b.s.group_bytes, b.comm, hs)
+        keep.append(half)
+        half_key = f"ALL_REDUCE {HALF_DTYPE} [{hs}]"
+        fns[half_key] = (lambda bufs=half: full_step(bufs, False))
+        meta_of[half_key] = {"action": "ALL_REDUCE", "strategy": hs, "dtype": HALF_DTYPE,
+                             "buffers": len(half), "bytes": grad_bytes(half),
+                             "fallback": fallback_reason(half, hs)}
+    # the memcpy floor: every rank copies the same grad bytes at once (numpy)
+    src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    memcpy_key = "memcpy floor (numpy copy of the grad bytes)"
+    fns[memcpy_key] = lambda: np.copyto(dst, src)
     b.res["meta"]["grad_bytes"] = nbytes
     b.say(f"# grads: {nbytes / 1e6:.3g} MB in fused buffers of {b.s.group_bytes / MiB:g} MiB "
           f"groups")
@@ -112,9 +141,14 @@ def measure_allreduce_steps(b: Bench) -> None:
     timed = timeit_many({**fns, **raw_fns}, b.comm, b.s.iters, b.s.warmup)
     if gloo_key:
         gloo["close"]()
+    b.res["memcpy"] = dict(timed.pop(memcpy_key), name=memcpy_key, bytes=nbytes)
+    fns.pop(memcpy_key)
+    if half_key:
+        b.res["half_step"] = dict(timed.pop(half_key), name=half_key, **meta_of[half_key])
+        fns.pop(half_key)
     b.res["steps"] = {k: dict(timed[k], **meta_of[k]) for k in fns}
     b.res["raw"] = {k: timed[k] for k in raw_fns}
-    del keep
+    del keep, src, dst
 
 
 def measure_other_steps(b: Bench) -> None:
@@ -180,6 +214,34 @@ def measure_window_sweep(b: Bench) -> None:
             for k, v in timed.items()]
     b.res["window_sweep"] = rows
     del keep
+
+
+def measure_small_buffers(b: Bench) -> None:
+    """Latency of one small fused buffer (4-64 KiB) per strategy, in rounds: issue 29 asks
+    shm to be no slower than thread here, where a sync is a few barriers, not bytes."""
+    b.say("# small buffers: one fused buffer per strategy, 4-64 KiB (in rounds) ...")
+    rows = []
+    reps = SMALL_BUFFER_REPS
+    for size in SMALL_BUFFER_BYTES:
+        fns: Dict[str, Callable[[], Any]] = {}
+        keep = []
+        for strategy in b.s.strategies:
+            param = Param("g", np.zeros(size // 4, np.float32))
+            bufs = build_buffers([param], HookAction.ALL_REDUCE, size, b.comm, strategy)
+            keep.append(bufs)
+            fns[strategy] = (lambda bb=bufs: [full_step(bb, False) for _ in range(reps)])
+        timed = timeit_many(fns, b.comm, max(b.s.iters, 3), max(1, b.s.warmup))
+        row: Dict[str, Any] = {"bytes": size, "reps": reps}
+        for k, v in timed.items():
+            per = [t / reps for t in v["times_s"]]
+            row[k] = {"median_s": statistics.median(per), "times_s": per,
+                      "x_thread": round_ratio(v, timed["thread"]) if "thread" in timed
+                      else None}
+        rows.append(row)
+        for bufs in keep:
+            for buf in bufs:
+                buf.close()
+    b.res["small_buffers"] = rows
 
 
 def measure_size_sweep(b: Bench) -> None:
@@ -294,6 +356,6 @@ def measure_order(b: Bench) -> None:
 #: function here and one table in ``report.TABLES``.
 MEASUREMENTS: List[Callable[[Bench], None]] = [
     measure_meta, measure_allreduce_steps, measure_other_steps, measure_window_sweep,
-    measure_size_sweep, measure_group_sweep, measure_overlap_and_add_grad, measure_memory,
+    measure_small_buffers, measure_size_sweep, measure_group_sweep, measure_overlap_and_add_grad, measure_memory,
     measure_order,
 ]

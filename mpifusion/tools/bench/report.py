@@ -10,6 +10,7 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..bandwidth import busbw, fmt_gbps
+from ..timing import round_ratio
 from .settings import Settings
 from .targets import BANDWIDTH_BOUND_BYTES
 from .workload import MiB
@@ -65,6 +66,50 @@ def table_raw(res: dict) -> tuple:
             [[k, fmt_ms(v["median_s"]), fmt_ms(v["min_s"]),
               fmt_gbps(busbw(step_kind(k.replace(" raw:", "")), nbytes, v["median_s"], n), 2),
               _x_floor(v, res)] for k, v in res["raw"].items()])
+
+
+def _ratio(v: dict, ref: Optional[dict]) -> str:
+    return "-" if not ref or ref["median_s"] <= 0 else f"{round_ratio(v, ref):.2f}"
+
+
+def table_side_by_side(res: dict) -> tuple:
+    """Every strategy's ALL_REDUCE step beside the memcpy floor and the best raw segmented
+    Allreduce + 1/n, all timed in the same rounds: the ratios are per round."""
+    memcpy, scaled = res.get("memcpy"), res.get("floor_with_scale")
+    rows = []
+    steps = [(k, v) for k, v in res["steps"].items()
+             if k.startswith("ALL_REDUCE [")]
+    if "half_step" in res:
+        steps.append((res["half_step"]["name"], res["half_step"]))
+    for k, v in steps:
+        rows.append([k, fmt_ms(v["median_s"]), _ratio(v, memcpy), _ratio(v, scaled),
+                     v.get("fallback") or ""])
+    if memcpy:
+        rows.append([memcpy["name"], fmt_ms(memcpy["median_s"]), "1.00",
+                     _ratio(memcpy, scaled), ""])
+    if scaled:
+        rows.append([f"floor + scale: {scaled['name'].split(': ', 1)[-1]}",
+                     fmt_ms(scaled["median_s"]), _ratio(scaled, memcpy), "1.00", ""])
+    for name, why in res.get("skipped_strategies", {}).items():
+        rows.append([f"ALL_REDUCE [{name}]", "-", "-", "-", f"skipped: {why}"])
+    return ("strategies side by side with the memcpy floor (ALL_REDUCE full step; ratios: "
+            "median over rounds of the per-round ratio)",
+            ["step", "median ms", "x memcpy", "x floor+scale", "note"], rows)
+
+
+def table_small_buffers(res: dict) -> tuple:
+    """One small fused buffer per strategy: the latency issue 29 compares with thread."""
+    rows = []
+    for r in res.get("small_buffers", []):
+        keys = [k for k in r if isinstance(r[k], dict)]
+        rows.append([f"{r['bytes'] >> 10} KiB"]
+                    + [f"{r[k]['median_s'] * 1e6:.1f} us"
+                       + ("" if r[k]["x_thread"] is None else f" ({r[k]['x_thread']:.2f})")
+                       for k in keys])
+    first = res["small_buffers"][0]
+    header = ["buffer"] + [k for k in first if isinstance(first[k], dict)]
+    return ("small buffers: one ALL_REDUCE step per strategy (median per step; in brackets "
+            "x thread, per round)", header, rows)
 
 
 def table_window_sweep(res: dict) -> tuple:
@@ -126,7 +171,8 @@ def table_targets(res: dict) -> tuple:
 
 #: the report's tables, in order: each takes ``res`` and gives (title, header, rows)
 TABLES: List[Callable[[dict], tuple]] = [
-    table_steps, table_raw, table_window_sweep, table_size_sweep, table_group_sweep,
+    table_steps, table_raw, table_side_by_side, table_window_sweep, table_small_buffers,
+    table_size_sweep, table_group_sweep,
     table_overlap, table_memory, table_order, table_targets,
 ]
 
@@ -186,6 +232,8 @@ def report(res: dict, s: Settings) -> None:
         print(f"\n({len(hidden)} target(s) not shown: they are set for bandwidth-bound syncs of "
               f">= {BANDWIDTH_BOUND_BYTES // MiB} MiB of grads; this model has "
               f"{res['meta']['grad_bytes'] / 1e6:.3g} MB. Try --preset gpt2-small.)")
+    for name, why in res.get("skipped_strategies", {}).items():
+        print(f"\n(strategy {name} skipped: {why})")
     if "gloo_error" in res:
         print(f"\n(torch gloo skipped: {res['gloo_error']})")
     if s.json_path:

@@ -65,10 +65,36 @@ def targets(res: dict) -> List[Target]:
     if ov:
         out.append(Target("overlap with emulated (device) compute, %", ov["overlap_pct"],
                           ">= 80", big))
+    out.extend(shm_targets(res, big))
     out.append(Target("add_grad per param, us", res["add_grad"]["per_param_s"] * 1e6, "<= 3"))
     if res.get("order_check"):
         out.append(Target("order check cost, % of the ALL_REDUCE step (buffers x check)",
                           res["order_check"]["pct_of_step"], "<= 2", big))
     out.append(Target("peak memory / (params + grads + padding), ALL_REDUCE",
                       res["memory"]["ALL_REDUCE"]["ratio"], "<= 1.05", big))
+    return out
+
+
+def shm_targets(res: dict, big: bool) -> List[Target]:
+    """Issue 29's targets for the shm strategy, where it ran (not fallen back to thread):
+    the fp32 step against the best raw segmented Allreduce + 1/n and a memcpy of the grads,
+    the half-precision step against the fp32 one, small buffers against thread."""
+    out: List[Target] = []
+    shm = res["steps"].get("ALL_REDUCE [shm]")
+    if shm is None or shm.get("fallback"):
+        return out
+    out.append(Target("shm ALL_REDUCE step / (best raw Allreduce + 1/n)",
+                      round_ratio(shm, res["floor_with_scale"]), "<= 0.75", big))
+    if "memcpy" in res:
+        out.append(Target("shm ALL_REDUCE step / memcpy of the grads",
+                          round_ratio(shm, res["memcpy"]), "<= 1.25", big))
+    half = res.get("half_step")
+    if half and half["strategy"] == "shm" and not half.get("fallback"):
+        out.append(Target(f"shm ALL_REDUCE step, {half['dtype']} / float32",
+                          round_ratio(half, shm), "<= 0.75", big))
+    worst = [r["shm"]["x_thread"] for r in res.get("small_buffers", [])
+             if "shm" in r and r["shm"].get("x_thread") is not None]
+    if worst:
+        out.append(Target("shm / thread, one 4-64 KiB buffer (the slowest size)", max(worst),
+                          "<= 1.0"))
     return out

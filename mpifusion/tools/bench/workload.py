@@ -5,7 +5,7 @@ the same bytes; the default strategy and segment size are those a default run ta
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -24,7 +24,36 @@ MiB = 1 << 20
 #: the strategy a default run resolves to on this MPI (auto: thread at THREAD_MULTIPLE)
 AUTO_STRATEGY = "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking"
 
+#: strategies that run their collectives on a communication thread: MPI_THREAD_MULTIPLE only
+THREADED_STRATEGIES = ("thread", "shm", "hierarchical")
+#: the dtype of the half-precision step measured beside an fp32 run (issue 29's target)
+HALF_DTYPE = "bfloat16"
+
 _SEGMENTS: Dict[int, int] = {}
+
+
+def usable_strategies(strategies: Sequence[str], thread_level: int
+                      ) -> Tuple[List[str], Dict[str, str]]:
+    """The strategies this job can run, and why each other one is skipped: a strategy that
+    needs a communication thread cannot start below MPI_THREAD_MULTIPLE, and a benchmark
+    should say so rather than end on the Communicator's error."""
+    usable, skipped = [], {}
+    for s in strategies:
+        if s in THREADED_STRATEGIES and thread_level < MPI.THREAD_MULTIPLE:
+            skipped[s] = (f"needs MPI_THREAD_MULTIPLE, this job runs at thread level "
+                          f"{thread_level}")
+        else:
+            usable.append(s)
+    return usable, skipped
+
+
+def fallback_reason(buffers: Sequence[FusedCommBuffer], strategy: str) -> Optional[str]:
+    """Why ``buffers`` run another strategy than ``strategy`` (shm/hierarchical fall back
+    to thread where shared windows are not available), or None."""
+    comm = buffers[0].comm if buffers else None
+    if comm is None or comm.strategy == strategy or strategy == "auto":
+        return None
+    return f"ran {comm.strategy}: {comm.shm_fallback or 'fallback'}"
 
 
 def default_segment(comm: MPI.Comm) -> int:
