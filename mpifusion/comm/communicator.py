@@ -105,6 +105,19 @@ def allreduce_way(choice: str, strategy: str) -> str:
     return "mpi"
 
 
+def resolve_strategy(choice: str) -> Tuple[str, str]:
+    """``CommOptions.strategy`` resolved, and why (what ``mpifusion info`` prints): ``auto``
+    is ``thread`` where MPI runs at MPI_THREAD_MULTIPLE (its blocking segments on a
+    communication thread), else ``nonblocking`` (no second thread may call MPI). ``auto``
+    does not pick ``shm`` yet: its windows stay mapped for a buffer's lifetime, a change of
+    memory behaviour a job should opt into (docs/performance.md)."""
+    if choice != "auto":
+        return choice, "chosen (strategy= or MPIFUSION_COMM_STRATEGY)"
+    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        return "thread", "auto: MPI is at MPI_THREAD_MULTIPLE"
+    return "nonblocking", "auto: MPI is not at MPI_THREAD_MULTIPLE"
+
+
 _MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
 
 
@@ -146,11 +159,10 @@ class Communicator:
         elif overrides:
             options = options.with_(**overrides)
         if options.strategy == "auto":
-            threads = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-            options = options.with_(strategy="thread" if threads else "nonblocking")
-            if not threads:
-                logger.info("rank %d: MPI is not at MPI_THREAD_MULTIPLE; using the "
-                            "'nonblocking' strategy", comm.Get_rank())
+            strategy, why = resolve_strategy(options.strategy)
+            options = options.with_(strategy=strategy)
+            if strategy != "thread":
+                logger.info("rank %d: strategy %r (%s)", comm.Get_rank(), strategy, why)
         if (options.strategy in ("thread", "shm", "hierarchical")
                 and MPI.Query_thread() < MPI.THREAD_MULTIPLE):
             raise OptionError(f"rank {comm.Get_rank()}: strategy {options.strategy!r}: "

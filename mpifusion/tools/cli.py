@@ -338,6 +338,18 @@ def _segment_default() -> Tuple[Optional[int], str]:
     return segment_for(options), default_segment_source()
 
 
+def _strategy_default() -> Tuple[str, str]:
+    """The strategy a buffer built with the default options uses here, and why (a refused
+    ``MPIFUSION_COMM_STRATEGY`` is shown as such, as for the segment size)."""
+    from ..comm.communicator import resolve_strategy
+
+    try:
+        options = CommOptions.from_env()
+    except OptionError as exc:
+        return "none", f"refused: {exc}"
+    return resolve_strategy(options.strategy)
+
+
 def collect_info() -> dict:
     """What a user needs to know of the MPI and the devices this job sees."""
     import mpi4py  # MPI, numpy and the array backends: only info and run load them
@@ -346,6 +358,7 @@ def collect_info() -> dict:
 
     from ..arrays import backend
     from ..arrays.cuda import is_cuda_aware
+    from ..comm.shm import ranks_on_node
 
     level = MPI.Query_thread()
     level_name = next((name for attr, name in _THREAD_LEVELS.items()
@@ -359,6 +372,8 @@ def collect_info() -> dict:
             gpus = 0
     version = MPI.Get_version()
     segment, source = _segment_default()
+    strategy, strategy_why = _strategy_default()
+    on_node = ranks_on_node(MPI.COMM_WORLD)
 
     return {
         # Open MPI ends its version string with a NUL byte
@@ -369,6 +384,9 @@ def collect_info() -> dict:
         "processor": MPI.Get_processor_name(),
         "segment_bytes": segment,
         "segment_source": source,
+        "strategy": strategy,
+        "strategy_source": strategy_why,
+        "ranks_on_node": on_node,
         "cuda_aware_mpi": bool(is_cuda_aware()),
         "cupy": getattr(cupy, "__version__", None) if cupy is not None else None,
         "gpus": gpus,
@@ -402,6 +420,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             value = (f"{value} bytes ({info['segment_source']})" if value is not None
                      else info["segment_source"])
         say(f"{label + ':':<16}{value}")
+        if key == "segment_bytes":  # the strategy, and whether shm could run here
+            say(f"{'strategy:':<16}{info['strategy']} ({info['strategy_source']})")
+            whole = info["ranks_on_node"] == info["world_size"]
+            say(f"{'shared memory:':<16}{info['ranks_on_node']} of {info['world_size']} "
+                f"rank(s) on this node (" + ("shm can run" if whole else
+                                             "shm falls back to thread") + ")")
         if key == "processor":  # the Slurm view next to MPI's
             for slurm_label, slurm_value in summary_lines(view):
                 say(f"{slurm_label + ':':<16}{slurm_value}")

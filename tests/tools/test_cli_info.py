@@ -47,12 +47,30 @@ def test_info_says_the_default_segment_size_and_where_it_comes_from(capsys, monk
     code, out, _ = run_cli(capsys, "info")
     assert code == 0 and "segment size:   refused: MPIFUSION_SEGMENT_BYTES" in out
 
+
+def test_info_says_the_strategy_and_why(capsys, monkeypatch):
+    """The strategy a default buffer uses, where the choice came from, and a refused one."""
+    monkeypatch.delenv("MPIFUSION_COMM_STRATEGY", raising=False)
+    info = json.loads(run_cli(capsys, "info", "--json")[1])
+    assert (info["strategy"], info["strategy_source"]) == (
+        "thread", "auto: MPI is at MPI_THREAD_MULTIPLE"), info
+    monkeypatch.setenv("MPIFUSION_COMM_STRATEGY", "shm")
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0 and "strategy:       shm (chosen (strategy= or " in out, out
+    assert "shared memory:  1 of 1 rank(s) on this node (shm can run)" in out, out
+    monkeypatch.setenv("MPIFUSION_COMM_STRATEGY", "fast")
+    code, out, _ = run_cli(capsys, "info")
+    assert code == 0 and "strategy:       none (refused: MPIFUSION_COMM_STRATEGY" in out, out
+
+
 @pytest.mark.mpi
 def test_info_under_mpiexec_rank0_prints_world_size(comm, capsys):
     code, out, _ = run_cli(capsys, "info", "--json")
     assert code == 0
     if comm.Get_rank() == 0:
-        assert json.loads(out)["world_size"] == comm.Get_size()
+        info = json.loads(out)
+        assert info["world_size"] == comm.Get_size()
+        assert info["ranks_on_node"] == comm.Get_size()  # one machine: every rank
     else:
         assert out == ""
 
