@@ -191,7 +191,8 @@ def write_plot(path: str, res: dict) -> Optional[str]:
     sweep = res["size_sweep"]
     sizes = [row["bytes"] for row in sweep]
     for key, style in (("raw_floor", "k-o"), ("mpifusion_thread", "b-s"),
-                       ("mpifusion_nonblocking", "g-^"), ("naive_iallreduce", "r--x")):
+                       ("mpifusion_nonblocking", "g-^"), ("mpifusion_shm", "m-d"),
+                       ("mpifusion_hierarchical", "c-v"), ("naive_iallreduce", "r--x")):
         if key in sweep[0]:
             ax1.plot(sizes, [_nan(row[key]["busbw_GBps"]) for row in sweep], style, label=key)
     ax1.set_xscale("log", base=2)
