@@ -80,7 +80,7 @@ SCRATCH_OFFSET = PAGE
 #: where the MPI libraries put shared windows (MPICH and Open MPI: a file in /dev/shm)
 SHM_FOLDER = "/dev/shm"
 
-_SERIAL = itertools.count()  # creation order of every window (and NodeMemory) here
+_SERIAL = itertools.count()  # creation order of the NodeMemory objects of this process
 _LOCK = threading.Lock()
 #: released node communicators whose windows a rank still held arrays of: freed at exit
 _KEPT: List["NodeMemory"] = []
@@ -163,16 +163,19 @@ def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
 class SharedWindow:
     """One MPI-3 shared window of ``nbytes`` per rank, with every rank's segment as a numpy
     byte array (``segments[r]``). ``internal``: mpifusion's own (a stream's control window),
-    never handed out; ``serial``: its place in the creation order."""
+    never handed out; ``serial``: its place in its node communicator's creation order, which
+    is what names it across ranks (a process-wide count would differ between ranks that
+    built windows on other communicators: a rank would then map another window)."""
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, internal: bool = False) -> None:
+    def __init__(self, comm: MPI.Comm, nbytes: int, serial: int,
+                 internal: bool = False) -> None:
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each segment on the owner's pages
         try:
             self.win = MPI.Win.Allocate_shared(nbytes, 1, info=info, comm=comm)
         finally:
             info.Free()
-        self.serial = next(_SERIAL)
+        self.serial = serial
         self.internal = internal
         self.nbytes = nbytes
         self.freed = False
@@ -282,7 +285,8 @@ class NodeMemory:
         self.timeout = timeout
         self.windows: Dict[int, SharedWindow] = {}   # by serial (the same on every rank)
         self.streams: Dict[str, ShmStream] = {}      # by stream tag
-        self.serial = next(_SERIAL)
+        self.serial = next(_SERIAL)  # creation order of the NodeMemory objects (exit frees)
+        self._window_serials = itertools.count()     # windows made on ``comm``, in order
 
     # -- agreement (every decision that changes the calls is taken by all ranks together)
     def agree_max(self, values: Sequence[int], what: str, bounded: bool = True) -> np.ndarray:
@@ -295,7 +299,8 @@ class NodeMemory:
     # -- windows
     def allocate(self, nbytes: int, internal: bool = False) -> SharedWindow:
         """A new window of ``nbytes`` per rank (collective, in the shared order)."""
-        win = SharedWindow(self.comm, round_up(max(nbytes, 1)), internal)
+        win = SharedWindow(self.comm, round_up(max(nbytes, 1)), next(self._window_serials),
+                           internal)
         self.windows[win.serial] = win
         return win
 

@@ -135,6 +135,29 @@ def test_buffer_actions_in_the_window(comm, act, dtype):
     buf.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_windows_made_on_another_communicator_do_not_rename_these(comm):
+    """A window is named by its place among its own communicator's windows: ranks that built
+    shm buffers on a sub-communicator (here the lower half) and ranks that did not still name
+    the world's windows alike. A process-wide count made rank 4 name another window than
+    rank 3 at 8 ranks, once emulated-node tests on 4 of them had run."""
+    rank, n = comm.Get_rank(), comm.Get_size()
+    lower = rank < n // 2 or n == 1
+    sub = comm.Split(0 if lower else 1, rank)
+    try:
+        if lower:
+            for ident in (80, 81):  # windows on the lower ranks only
+                make(sub, HookAction.ALL_REDUCE, float32, ident, shapes=[(5,)])
+        buf, params = make(comm, HookAction.ALL_REDUCE, float32, 82)
+        for p, g in zip(params, grads(rank, 0, float32)):
+            buf.add_grad(p, grad=g)
+        buf.scale_grads()
+        check_grads(buf, params, 0, float32)
+    finally:
+        release(sub)
+        sub.Free()
+
+
 @pytest.mark.mpi
 def test_free_grads_in_comm_and_reset_param_storage(comm):
     """The shard of free_grads_in_comm is ordinary memory (only its owner writes it); the
