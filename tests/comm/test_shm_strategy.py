@@ -13,7 +13,9 @@ Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/comm/test_sh
 import gc
 import hashlib
 import logging
+import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -369,6 +371,60 @@ def test_release_frees_only_windows_nobody_holds(comm):
             assert kept.params[0].grad.sum() == 200.0
     finally:
         sub.Free()
+
+
+# ------------------------------------------------------------------ serial: what a dead job leaves
+
+#: the files an MPI backs a shared window with while its ranks map it (MPICH, Open MPI's osc
+#: sm): the only trace of mpifusion's windows in /dev/shm
+WINDOW_FILES = ("mpich_shar", "osc_sm", "mpifusion")
+
+ENDED_JOB = """
+import os, sys, time
+import numpy as np
+from mpi4py import MPI
+from mpifusion import FusedCommBuffer, HookAction, Param
+from mpifusion.config import CommOptions
+comm = MPI.COMM_WORLD
+p = [Param("w", np.ones(4096, np.float32))]
+buf = FusedCommBuffer(0, p, comm, act=HookAction.ALL_REDUCE,
+                      comm_options=CommOptions(strategy="shm"))
+assert buf.comm.strategy == "shm" and buf.comm.in_shared_window(buf.grad_storage)
+buf.add_grad(p[0], grad=np.ones(4096, np.float32))
+buf.scale_grads()
+open(f"{sys.argv[2]}/reduced{comm.Get_rank()}", "w").close()
+comm.Barrier()
+if comm.Get_rank() == 1:
+    if sys.argv[1] == "abort":
+        comm.Abort(3)
+    os.kill(os.getpid(), 9)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["abort", "kill"])
+def test_a_job_ended_by_abort_or_kill_leaves_no_window_file(tmp_path, how):
+    """After MPI_Abort or a kill -9 of a rank, nothing of the job's shared windows is left in
+    /dev/shm: both MPIs unlink a window's file once every rank mapped it (MPICH's own
+    transport segment, mpich_shm_*, is its own and is documented as left behind)."""
+    from tests import leftovers
+    from tests.helpers import run_job
+
+    shm_dir = "/dev/shm"
+    before = set(os.listdir(shm_dir))
+    script = tmp_path / "ended.py"
+    script.write_text(ENDED_JOB)
+    proc = run_job(2, [sys.executable, str(script), how, tmp_path], timeout=90,
+                   stderr_to_stdout=True)
+    assert proc.returncode not in (0, None), proc.stdout[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("reduced*")) == ["reduced0", "reduced1"], \
+        proc.stdout[-3000:]
+    time.sleep(1.0)  # the launcher's last processes exit
+    used = leftovers.in_use()
+    new = [name for name in set(os.listdir(shm_dir)) - before
+           if name.startswith(WINDOW_FILES) and f"{shm_dir}/{name}" not in used]
+    assert new == [], f"{how}: window files left in {shm_dir}: {new}"
 
 
 # ------------------------------------------------------------------ serial: options
