@@ -44,6 +44,8 @@ HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
 
 STRATEGIES = ("thread", "nonblocking", "shm", "hierarchical")
+#: strategies whose collectives run on a communication thread: MPI_THREAD_MULTIPLE only
+THREADED_STRATEGIES = ("thread", "shm", "hierarchical")
 #: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking`` (never
 #: ``shm`` or ``hierarchical`` yet: they are chosen explicitly).
 DEFAULT_STRATEGY = "auto"

@@ -53,7 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..arrays import cuda
-from ..config import CommOptions, DEFAULT_SEGMENT_BYTES
+from ..config import THREADED_STRATEGIES, CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
 from ..errors import AbandonedError, OptionError, StateError
 from ..machine import segment_for
@@ -163,7 +163,7 @@ class Communicator:
             options = options.with_(strategy=strategy)
             if strategy != "thread":
                 logger.info("rank %d: strategy %r (%s)", comm.Get_rank(), strategy, why)
-        if (options.strategy in ("thread", "shm", "hierarchical")
+        if (options.strategy in THREADED_STRATEGIES
                 and MPI.Query_thread() < MPI.THREAD_MULTIPLE):
             raise OptionError(f"rank {comm.Get_rank()}: strategy {options.strategy!r}: "
                               f"expected MPI "

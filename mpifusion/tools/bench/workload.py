@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from ...config import DEFAULT_WINDOW, CommOptions
+from ...comm.communicator import resolve_strategy
+from ...config import DEFAULT_WINDOW, THREADED_STRATEGIES, CommOptions
 from ...dtypes import as_dtype
 from ...machine import segment_for
 from ...plan.actions import HookAction
@@ -22,10 +23,8 @@ from ...runtime.param import Param
 MiB = 1 << 20
 
 #: the strategy a default run resolves to on this MPI (auto: thread at THREAD_MULTIPLE)
-AUTO_STRATEGY = "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking"
+AUTO_STRATEGY = resolve_strategy("auto")[0]
 
-#: strategies that run their collectives on a communication thread: MPI_THREAD_MULTIPLE only
-THREADED_STRATEGIES = ("thread", "shm", "hierarchical")
 #: the dtype of the half-precision step measured beside an fp32 run (issue 29's target)
 HALF_DTYPE = "bfloat16"
 
