@@ -12,7 +12,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ..dtypes import as_dtype, bfloat16
+from .. import dtypes
+from ..dtypes import as_dtype
 
 try:  # optional: only on machines with a GPU build of cupy
     import cupy as _cupy  # type: ignore
@@ -243,7 +244,7 @@ def _dlpack_bfloat16(obj: Any) -> np.ndarray:
                  "data": ((dl.data or 0) + dl.byte_offset, readonly)}
     # Now ours: rename so the capsule's destructor leaves the tensor to _DLPackOwner.
     _capsule_rename(capsule, b"used_" + name)
-    return np.asarray(_DLPackOwner(managed, interface)).view(bfloat16)
+    return np.asarray(_DLPackOwner(managed, interface)).view(dtypes.bfloat16)
 
 
 def device_of(arr: Any) -> str:
@@ -264,7 +265,7 @@ def to_torch(arr: Any) -> Any:
 
     if arr is None:
         return None
-    if arr.dtype == bfloat16:
+    if arr.dtype.name == "bfloat16":
         return torch.from_dlpack(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_dlpack(arr)
 

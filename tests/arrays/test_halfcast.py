@@ -383,3 +383,15 @@ def test_a_kernel_built_from_another_source_is_refused(monkeypatch):
         halfcast.path()
     monkeypatch.setenv("MPIFUSION_HALFCAST", "auto")
     assert halfcast.path() == "numpy"
+
+
+def test_half_holds_fp16_and_bf16_only():
+    """``HALF`` answers membership by name (so an fp32 buffer never imports ml_dtypes) and
+    still lists the two dtype objects."""
+    from mpifusion.dtypes import HALF
+
+    for half in (np.float16, bfloat16, "bf16", "half", np.dtype(bfloat16)):
+        assert half in HALF, half
+    for other in (np.float32, np.float64, np.int16, np.uint16, "fp32"):
+        assert other not in HALF, other
+    assert list(HALF) == [np.dtype(np.float16), np.dtype(bfloat16)]
