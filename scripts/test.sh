@@ -140,10 +140,13 @@ phase() {  # phase LABEL COMMAND...: run one pytest run, keep its time, CPU and 
 }
 finish() {
   local rc=$? cpu
-  if [ -n "${OMPI_LANE_PID:-}" ] && kill -0 "$OMPI_LANE_PID" 2>/dev/null; then
-    pkill -KILL -P "$OMPI_LANE_PID" 2>/dev/null || true  # stopped early: end the Open MPI lane
-    FAILED+=("openmpi lane (stopped)")
-  fi
+  local lane
+  for lane in "${LANES[@]+"${LANES[@]}"}"; do  # stopped early: end the lanes still running
+    if kill -0 "${lane##*=}" 2>/dev/null; then
+      pkill -KILL -P "${lane##*=}" 2>/dev/null || true
+      FAILED+=("${lane%=*} lane (stopped)")
+    fi
+  done
   child_cpu cpu
   echo "=== times (CPU: user + system of the phase's processes)"
   printf '%s\n' "${TIMES[@]}"
@@ -159,6 +162,32 @@ finish() {
   exit "$rc"
 }
 trap finish EXIT
+# Lanes: phases run beside the serial phase, in the background, their output kept in a file
+# and shown, with their times and failures, once they end.
+LANES=()
+beside() {  # beside NAME COMMAND...: run COMMAND (which runs phases) in a lane of its own
+  local name=$1 file=$RUN_DIR/lane-$1
+  shift
+  echo "=== $name: beside the serial phase (its output comes after it)"
+  ( trap - EXIT
+    TIMES=() FAILED=()
+    "$@" >"$file.log" 2>&1
+    printf '%s\n' "${TIMES[@]+"${TIMES[@]}"}" >"$file.times"
+    printf '%s\n' "${FAILED[@]+"${FAILED[@]}"}" >"$file.failed" ) &
+  LANES+=("$name=$!")
+}
+join_lanes() {  # wait for every lane, show its output, merge its times and failures
+  local lane file line
+  for lane in "${LANES[@]+"${LANES[@]}"}"; do
+    file=$RUN_DIR/lane-${lane%=*}
+    wait "${lane##*=}" || FAILED+=("${lane%=*} lane")
+    echo "=== ${lane%=*} (ran beside the serial phase)"
+    cat "$file.log"
+    while IFS= read -r line; do [ -z "$line" ] || TIMES+=("$line"); done <"$file.times"
+    while IFS= read -r line; do [ -z "$line" ] || FAILED+=("$line"); done <"$file.failed"
+  done
+  LANES=()
+}
 
 MPIEXEC=${MPIEXEC:-mpiexec}
 # python -m mpi4py: an uncaught error on one rank aborts every rank instead of hanging.
@@ -171,40 +200,37 @@ done
 # ranks the same tests run as at 8 (the same skips), and MPICH runs them at 4 as well. It
 # cost 33 s (67 s of CPU) of a 700 s run; MPIFUSION_OPENMPI_RANKS="2 3 4 8" adds it back.
 #
-# MPIFUSION_OPENMPI_BESIDE=1 runs them beside the serial phase, their output kept in a file
-# and shown when they end: the serial phase waits about a quarter of its time (Slurm jobs,
-# deadlines, process start-ups), and Open MPI's waiting ranks give their core away when
-# oversubscribed (MPICH's spin, so its phases always run alone). Off by default: under the
-# added load a torch spawn test and an 8-rank Open MPI stress test each failed once in
-# three runs (BENCHMARKS.md, "Test suite").
+# MPIFUSION_OPENMPI_BESIDE=1 runs them in a lane beside the serial phase (Open MPI's waiting
+# ranks give their core away when oversubscribed; MPICH's spin, so its phases always run
+# alone). Off by default: under the added load a torch spawn test and an 8-rank Open MPI
+# stress test each failed once in three runs (BENCHMARKS.md, "Test suite").
 openmpi_phases() {
   for n in ${MPIFUSION_OPENMPI_RANKS:-2 3 8}; do
     phase "openmpi-n$n" timeout --signal=KILL 1200 "$MPIFUSION_OPENMPI_VENV/bin/mpiexec" \
       --oversubscribe -n "$n" "$OMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
   done
 }
-OMPI_LANE=
 if [ -n "$OMPI_PY" ]; then
   if [ "${MPIFUSION_OPENMPI_BESIDE:-0}" = 0 ]; then
     openmpi_phases "$@"
   else
-    echo "=== openmpi-n${MPIFUSION_OPENMPI_RANKS:-2 3 8}: beside the serial phase (output below when done)"
-    OMPI_LANE=$RUN_DIR/openmpi
-    # a subshell: its own TIMES/FAILED and `times`, written out for this shell to merge
-    ( trap - EXIT
-      TIMES=() FAILED=()
-      openmpi_phases "$@" >"$OMPI_LANE.log" 2>&1
-      printf '%s\n' "${TIMES[@]}" >"$OMPI_LANE.times"
-      printf '%s\n' "${FAILED[@]+"${FAILED[@]}"}" >"$OMPI_LANE.failed" ) &
-    OMPI_LANE_PID=$!
+    beside openmpi openmpi_phases "$@"
   fi
 fi
+# The Slurm tests beside the serial phase: they wait on the cluster's jobs most of their
+# 120-165 s, little of it on this machine's cores. (A -k or other selection that leaves none
+# of them is not a failure: pytest's exit 5, no tests collected.)
+slurm_phase() {
+  phase slurm bash -c '"$@"; rc=$?; [ "$rc" = 5 ] && rc=0; exit "$rc"' slurm \
+    "$PYTHON" -m pytest -q "$@" tests/slurm
+}
+beside slurm slurm_phase "$@"
 # The serial tests in parallel processes (pytest-xdist), one file per process at a time: many
 # of them start mpiexec jobs and wait on them. 2 workers took the phase from 502 s to 338 s
 # on a 2-core machine (BENCHMARKS.md); MPIFUSION_SERIAL_WORKERS=0 runs it in this process.
 WORKERS=${MPIFUSION_SERIAL_WORKERS:-2}
 if [ "$WORKERS" = 0 ]; then
-  phase serial "$PYTHON" -m pytest -q "$@" tests
+  phase serial "$PYTHON" -m pytest -q --ignore=tests/slurm "$@" tests
 else
   # Files in the order tests/conftest.py gives (its longest first): pytest-xdist 3.5-3.7
   # reorder them by test count, and 3.8 added the switch that keeps them.
@@ -213,16 +239,9 @@ else
 sys.exit(tuple(int(x) for x in m.version("pytest-xdist").split(".")[:2]) < (3, 8))' 2>/dev/null &&
     keep_order=--no-loadscope-reorder
   phase serial "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile ${keep_order:+"$keep_order"} \
-    "$@" tests
+    --ignore=tests/slurm "$@" tests
 fi
-if [ -n "$OMPI_LANE" ]; then
-  wait "$OMPI_LANE_PID" || FAILED+=("openmpi lane")
-  echo "=== Open MPI phases (ran beside the serial phase)"
-  cat "$OMPI_LANE.log"
-  mapfile -t lane_times <"$OMPI_LANE.times"
-  TIMES+=("${lane_times[@]}")
-  while read -r label; do [ -z "$label" ] || FAILED+=("$label"); done <"$OMPI_LANE.failed"
-fi
+join_lanes
 echo "=== skips of every run"
 # A test that no run's rank count can reach fails the run, unless the rank counts were
 # chosen (MPIFUSION_TEST_RANKS): then the report only says which tests no run reached.

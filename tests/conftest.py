@@ -88,17 +88,18 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-#: The serial run's longest files, longest first (seconds of their tests in two loaded
-#: pytest-xdist runs of 2026-12-05: 230-340, 230-264, 87-158, 67-81, 47-83, 45, 30-71, 25-30,
-#: 26-37, 26-56, 21-33, 19; the next were below 18). They run first, the rest after them in
-#: collection order: scripts/test.sh hands whole files to its workers (``--dist loadfile``),
-#: and pytest-xdist's own order (most tests first) left the few long whole-job files of
+#: The serial run's longest files, longest first (seconds of their tests in a quiet
+#: pytest-xdist run of 2026-12-05: 129, 34, 33, 25, 17, 13, 12.5, 12, 11.5, 9, 9, 8; the
+#: next were below 8). They run first, the rest after them in collection order:
+#: scripts/test.sh hands whole files to its workers (``--dist loadfile``), and
+#: pytest-xdist's own order (most tests first) left the few long whole-job files of
 #: tests/tools to the end, where one worker ran them while the other had nothing left.
+#: (tests/slurm runs in a lane of its own beside them.)
 LONGEST_FILES = (
-    "comm/test_engine_order.py", "slurm/test_slurm_batch.py", "tools/test_cli_run.py",
-    "faults/test_faults.py", "oracle/test_oracle_check.py", "oracle/test_user_patterns.py",
-    "tools/test_cli_bench.py", "tools/test_torch_example.py", "tools/test_cli_ddp.py",
-    "docs/test_transcripts.py", "docs/test_oracle_page.py", "docs/test_docs_build.py",
+    "comm/test_engine_order.py", "tools/test_cli_run.py", "faults/test_faults.py",
+    "oracle/test_user_patterns.py", "docs/test_oracle_page.py", "docs/test_launcher_exit.py",
+    "oracle/test_peers.py", "docs/test_transcripts.py", "tools/test_cli_ddp.py",
+    "tools/test_cli_bench.py", "oracle/test_capture.py", "tools/test_run_exact_inputs.py",
 )
 
 
