@@ -379,6 +379,7 @@ MATRIX = list(itertools.product(
 ))
 
 
+@pytest.mark.matrix
 @pytest.mark.mpi
 @pytest.mark.parametrize("act, acc, main_grad, release, avg, scale_after", MATRIX,
                          ids=lambda v: getattr(v, "name", str(v)))

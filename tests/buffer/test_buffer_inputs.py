@@ -573,6 +573,7 @@ def test_sync_params_and_reset_switches_are_bools(value):
 # ---------------------------------------------------- under mpiexec: dtypes and float64 main grads
 
 
+@pytest.mark.matrix
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.int32, np.int8, np.complex64, np.bool_],
                          ids=lambda d: np.dtype(d).name)
@@ -601,6 +602,7 @@ def test_fused_parameters_refuses_an_int_param_on_every_rank(comm):
     assert params[0].grad is None and not params[0]._backward_hooks
 
 
+@pytest.mark.matrix
 @pytest.mark.mpi
 @pytest.mark.parametrize("act", ["all_reduce", "reduce", "reduce_scatter"])
 @pytest.mark.parametrize("avg", [False, True])

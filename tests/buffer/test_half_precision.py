@@ -72,6 +72,7 @@ def _grad(p, use_main_grad):
 
 
 # --------------------------------------------------------------------------- bit-exact rule
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["reduce_avg", "scale_after_comm"])
 def test_average_rounds_once_to_the_buffer_dtype(comm, dtype, mode, request):

@@ -52,6 +52,7 @@ def bits_equal(a, b):
     return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("segment", SEGMENTS)
 @pytest.mark.parametrize("dtype", [float32, bfloat16, float16], ids=lambda d: d.name)
@@ -147,6 +148,7 @@ def grads_for(rank, params, dtype, step):
             for i, p in enumerate(params)]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("act", list(HookAction), ids=lambda a: a.name)
 @pytest.mark.parametrize("dtype", [float32, bfloat16], ids=lambda d: d.name)
 def test_buffers_fast_path_equals_plain_path(comm, act, dtype):

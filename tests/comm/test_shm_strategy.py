@@ -98,6 +98,7 @@ def check_grads(buf, params, step, dtype, salt=0):
 # ------------------------------------------------------------------ buffers, every action
 
 
+@pytest.mark.matrix
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act", list(HookAction), ids=lambda a: a.name)

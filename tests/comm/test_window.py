@@ -50,6 +50,7 @@ def _comm(strategy, window):
                                                     segment_bytes=SEGMENT))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_allreduce_and_reduce(strategy, window, dtype):
@@ -70,6 +71,7 @@ def test_allreduce_and_reduce(strategy, window, dtype):
     assert repr(comm).endswith(f"window={window})")
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_reduce_scatter(strategy, window, dtype):
@@ -89,6 +91,7 @@ def test_reduce_scatter(strategy, window, dtype):
     comm.barrier()
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", [float32, bfloat16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_staging_pipeline_through_the_engine(strategy, window, dtype):
@@ -110,6 +113,7 @@ def test_staging_pipeline_through_the_engine(strategy, window, dtype):
     comm.barrier()
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
@@ -138,6 +142,7 @@ def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
     comm.barrier()
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", WAYS)
 def test_allgather_staged_and_whole(strategy, window, dtype):
@@ -183,6 +188,7 @@ def test_window_disagreement_is_refused():
 RING_SIZES = [16385, 40000]  # just over the 64 KiB below which the library's call is kept
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("strategy,window", [("thread", 1), ("nonblocking", 1),
                                              ("nonblocking", 2), ("nonblocking", 8)])
