@@ -444,7 +444,8 @@ class Communicator:
         desc = (ALLREDUCE, buf.size, code, -1, *tag)
         if self._on_shm(buf):
             steps = shm_steps.allreduce_steps(self._shm, buf, scale, None, (*desc, self.key),
-                                              shm_steps.chunk_elements(seg, buf.dtype), name)
+                                              shm_steps.chunk_elements(seg, buf.dtype), name,
+                                              gather=self.verify)
             return self._start(steps, (buf,), name, desc, nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
                                 ring=self.size if (self.allreduce_way == "ring"

@@ -34,6 +34,7 @@ are numbered node by node (rank = node * ranks per node + local rank).
 """
 from __future__ import annotations
 
+import struct
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -54,6 +55,16 @@ CHUNK_BYTES = 1 << 20
 #: a slice boundary falls on a multiple of this many elements, so two ranks rarely write
 #: one cache line (64 elements: at least 128 bytes in every dtype)
 CUT_ELEMENTS = 64
+
+#: an all-reduce whose buffers of every rank together hold at most this many bytes gathers
+#: them (one MPI call) and every rank sums all of them itself, in rank order: the same bits
+#: and the same rank-order sum as the window's, where the two barriers and the window's
+#: bookkeeping cost more than the bytes (see :func:`_gathered_allreduce`)
+GATHER_MAX_BYTES = 64 << 10
+
+#: a descriptor row as :func:`_gathered_allreduce` sends it (serial, then the order check's
+#: description: the window rows' first ``DESC_WORDS`` words)
+_HEAD = struct.Struct(f"<{DESC_WORDS}q")
 
 Opened = Generator[Call, None, List[Optional[np.ndarray]]]
 
@@ -122,16 +133,21 @@ Cross = Optional[Callable[[np.ndarray], Steps]]
 
 def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
               lo: int, hi: int, scale: Optional[float], chunk: int,
-              cross: Cross = None) -> Steps:
+              cross: Cross = None, disjoint: bool = False) -> Steps:
     """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
     ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
     as half and rounded once where a dest is half), the same bits whoever computes it.
     ``cross``: the calls that sum each chunk's accumulator over the nodes, in place, before
-    it is scaled (``hierarchical``; its chunks are the same on every node)."""
+    it is scaled (``hierarchical``; its chunks are the same on every node). ``disjoint``:
+    the one dest overlaps no source, so an fp32/fp64 sum is made in it directly (the same
+    operations: no accumulator, no copy)."""
     if hi <= lo:
         return
     dtype = sources[0].dtype
     half = dtype in HALF
+    if disjoint and not half and cross is None:
+        _sum_disjoint([src[lo:hi] for src in sources], dests[0][lo:hi], scale)
+        return
     step = min(chunk, hi - lo)
     acc_all = stream.work(0, step, float32 if half else dtype)
     tmp_all = stream.work(1, step, float32) if half else None
@@ -163,6 +179,20 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
             first[...] = acc
         for dest in dests[1:]:
             dest[a:b] = first
+
+
+def _sum_disjoint(sources: Sequence[np.ndarray], out: np.ndarray,
+                  scale: Optional[float]) -> None:
+    """``out = scale * sum(sources)`` in rank order, fp32/fp64, where ``out`` overlaps no
+    source: the operations of :func:`_sum_into`, made in ``out`` itself."""
+    if len(sources) > 1:
+        np.add(sources[0], sources[1], out=out)
+        for src in sources[2:]:
+            np.add(out, src, out=out)
+    else:
+        out[...] = sources[0]
+    if scale is not None:
+        backend.scale_(out, scale)
 
 
 def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
@@ -202,18 +232,48 @@ def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]
     return steps
 
 
+def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
+                        desc: Sequence[int], chunk: int, name: str) -> Steps:
+    """A small all-reduce in one ``Allgather``: each rank sends its descriptor row (as the
+    window's rows: ranks that started different collectives of one size raise the same
+    ``OrderError``, also with ``verify_order=False``) and its buffer, and every rank sums
+    every rank's buffer in rank order 0..p-1 as :func:`_sum_into` sums a slice, so every
+    rank computes, and holds, the same bits. 2 ranks, 4 KiB: two barriers and the window's
+    bookkeeping took 60-80 us a step, ``thread`` 27-47 us (BENCHMARKS.md)."""
+    rank, p = stream.rank, stream.size
+    stream.serial += 1
+    own = _HEAD.pack(stream.serial, *desc)
+    rows, heads, mine, sources = stream.gathered(_HEAD.size, flat.nbytes, flat.dtype)
+    _HEAD.pack_into(rows[rank], 0, stream.serial, *desc)
+    mine[...] = flat
+    yield Call("Allgather", (MPI.IN_PLACE, [rows, MPI.BYTE]))
+    if heads.tobytes() != own * p:
+        raise OrderError(order_message(rank, np.ascontiguousarray(heads).view(np.int64), name))
+    if flat.dtype in HALF:
+        yield from _sum_into(stream, sources, [flat], 0, flat.size, scale, chunk)
+    else:
+        _sum_disjoint(sources, flat, scale)
+
+
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
                     root: Optional[int], desc: Sequence[int], chunk: int, name: str,
-                    sent_scale: Optional[float] = None) -> Steps:
+                    sent_scale: Optional[float] = None, gather: bool = False) -> Steps:
     """All-reduce (``root`` None) or reduce to ``root`` of a host array. ``sent_scale``: a
     reduce's other ranks scale their own values by it once the peers are done reading.
 
     ``hierarchical`` (``stream.cross``): the node's sum of each chunk of this rank's slice is
     summed over the nodes by the ranks holding the same slice on every node, then written to
     every rank of the node (or the root's); its rounds are always a scratch's size, so every
-    node cuts the same slices whether or not it stages."""
+    node cuts the same slices whether or not it stages.
+
+    ``gather``: a small all-reduce may take :func:`_gathered_allreduce`, where the order
+    check runs before it (``verify_order``): a peer that started another kind of collective
+    would meet its ``Allgather`` with a barrier, which the rows alone cannot stop."""
     flat = buf.reshape(-1)
     rank, p = stream.rank, stream.size
+    if gather and root is None and stream.cross is None and p * flat.nbytes <= GATHER_MAX_BYTES:
+        yield from _gathered_allreduce(stream, flat, scale, desc, chunk, name)
+        return
     me = stream.node * p + rank
     root_node, root_local = (-1, -1) if root is None else divmod(root, p)
     lands = root is None or root == me

@@ -323,6 +323,32 @@ def test_rows_refuse_different_collectives_without_the_order_check(comm):
     assert (y == n * (n + 1) / 2).all()
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dtype):
+    """A small all-reduce (every rank's buffer together at most GATHER_MAX_BYTES) is one
+    Allgather, each rank summing every buffer in rank order itself; with verify_order=False
+    it takes the window. Random values (not exact sums): both give the bits of the rank-order
+    sum computed here, on every rank, with 1/n applied once."""
+    from mpifusion.comm import shm_collectives
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    numel = shm_collectives.GATHER_MAX_BYTES // (8 * n)  # fits as fp64 at every rank count
+    draws = [np.random.default_rng([r, numel]).standard_normal(numel) for r in range(n)]
+    wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    acc = draws[0].astype(dtype).astype(wide)
+    for r in range(1, n):
+        acc = acc + draws[r].astype(dtype).astype(wide)
+    want = (acc * wide(1.0 / n)).astype(dtype)
+    for verify in (True, False):
+        c = Communicator(comm, opts(verify_order=verify))
+        x = draws[rank].astype(dtype)
+        c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+        np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8),
+                                      err_msg=f"verify_order={verify}, rank {rank}")
+        same_on_every_rank(comm, x, f"verify_order={verify}")
+
+
 # ------------------------------------------------------------------ fallback, lifetime
 
 
