@@ -238,7 +238,7 @@ class ShmStream:
                       for seg in window.segments]
         self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
         self._scratch: Dict[Tuple[int, Any], np.ndarray] = {}
-        self._gathered: Dict[Tuple[int, int, Any], Tuple[np.ndarray, ...]] = {}
+        self._gathered: Dict[Tuple[int, Any], Tuple[np.ndarray, List[np.ndarray]]] = {}
 
     def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
         """Make this a ``hierarchical`` stream: barriers on ``node_comm`` (the stream's own
@@ -266,20 +266,17 @@ class ShmStream:
             arr = self._scratch[key] = self.window.segments[rank][SCRATCH_OFFSET:].view(dtype)
         return arr
 
-    def gathered(self, head: int, nbytes: int, dtype: Any) -> Tuple[np.ndarray, ...]:
-        """The receive rows of a gathered all-reduce of ``nbytes`` of ``dtype`` per rank
-        (``head`` bytes of descriptor, then the data, 8-byte aligned): the rows, their heads,
-        this rank's data and every rank's data as ``dtype`` arrays. Kept per size: a step
-        reuses them (making the views took longer than the sum of a 4 KiB buffer)."""
-        key = (head, nbytes, dtype)
+    def gathered(self, nbytes: int, dtype: Any) -> Tuple[np.ndarray, List[np.ndarray]]:
+        """The receive rows of a gathered all-reduce of ``nbytes`` of ``dtype`` per rank,
+        and every rank's row as a ``dtype`` array: kept per size, since making the views took
+        longer than summing a 4 KiB buffer."""
+        key = (nbytes, dtype)
         found = self._gathered.get(key)
         if found is None:
             if len(self._gathered) >= 64:  # many sizes: keep the memory bounded
                 self._gathered.clear()
-            unit = head + -(-nbytes // 8) * 8
-            rows = np.empty((self.size, unit), np.uint8)
-            data = [row[head:head + nbytes].view(dtype) for row in rows]
-            found = self._gathered[key] = (rows, rows[:, :head], data[self.rank], data)
+            rows = np.empty((self.size, nbytes), np.uint8)
+            found = self._gathered[key] = (rows, [row.view(dtype) for row in rows])
         return found
 
     def work(self, slot: int, n: int, dtype: Any) -> np.ndarray:

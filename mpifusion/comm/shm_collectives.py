@@ -34,7 +34,6 @@ are numbered node by node (rank = node * ranks per node + local rank).
 """
 from __future__ import annotations
 
-import struct
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -62,9 +61,6 @@ CUT_ELEMENTS = 64
 #: bookkeeping cost more than the bytes (see :func:`_gathered_allreduce`)
 GATHER_MAX_BYTES = 64 << 10
 
-#: a descriptor row as :func:`_gathered_allreduce` sends it (serial, then the order check's
-#: description: the window rows' first ``DESC_WORDS`` words)
-_HEAD = struct.Struct(f"<{DESC_WORDS}q")
 
 Opened = Generator[Call, None, List[Optional[np.ndarray]]]
 
@@ -233,22 +229,15 @@ def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]
 
 
 def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
-                        desc: Sequence[int], chunk: int, name: str) -> Steps:
-    """A small all-reduce in one ``Allgather``: each rank sends its descriptor row (as the
-    window's rows: ranks that started different collectives of one size raise the same
-    ``OrderError``, also with ``verify_order=False``) and its buffer, and every rank sums
-    every rank's buffer in rank order 0..p-1 as :func:`_sum_into` sums a slice, so every
-    rank computes, and holds, the same bits. 2 ranks, 4 KiB: two barriers and the window's
-    bookkeeping took 60-80 us a step, ``thread`` 27-47 us (BENCHMARKS.md)."""
-    rank, p = stream.rank, stream.size
-    stream.serial += 1
-    own = _HEAD.pack(stream.serial, *desc)
-    rows, heads, mine, sources = stream.gathered(_HEAD.size, flat.nbytes, flat.dtype)
-    _HEAD.pack_into(rows[rank], 0, stream.serial, *desc)
-    mine[...] = flat
-    yield Call("Allgather", (MPI.IN_PLACE, [rows, MPI.BYTE]))
-    if heads.tobytes() != own * p:
-        raise OrderError(order_message(rank, np.ascontiguousarray(heads).view(np.int64), name))
+                        chunk: int) -> Steps:
+    """A small all-reduce in one ``Allgather`` of every rank's buffer; every rank then sums
+    all of them in rank order 0..p-1 as :func:`_sum_into` sums a slice, so every rank
+    computes, and holds, the same bits. Only behind the order check (see
+    :func:`allreduce_steps`), which compares what the window's rows would. 2 ranks, 4 KiB:
+    two barriers and the window's bookkeeping took 60-80 us a step, ``thread`` 27-47 us."""
+    stream.serial += 1  # in step with the window's rows on every rank
+    rows, sources = stream.gathered(flat.nbytes, flat.dtype)
+    yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
     if flat.dtype in HALF:
         yield from _sum_into(stream, sources, [flat], 0, flat.size, scale, chunk)
     else:
@@ -267,12 +256,12 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     node cuts the same slices whether or not it stages.
 
     ``gather``: a small all-reduce may take :func:`_gathered_allreduce`, where the order
-    check runs before it (``verify_order``): a peer that started another kind of collective
-    would meet its ``Allgather`` with a barrier, which the rows alone cannot stop."""
+    check runs before it (``verify_order``): it compares what the rows would, and without it
+    a peer that started another collective would meet the ``Allgather`` with a barrier."""
     flat = buf.reshape(-1)
     rank, p = stream.rank, stream.size
     if gather and root is None and stream.cross is None and p * flat.nbytes <= GATHER_MAX_BYTES:
-        yield from _gathered_allreduce(stream, flat, scale, desc, chunk, name)
+        yield from _gathered_allreduce(stream, flat, scale, chunk)
         return
     me = stream.node * p + rank
     root_node, root_local = (-1, -1) if root is None else divmod(root, p)

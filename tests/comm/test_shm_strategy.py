@@ -325,7 +325,8 @@ def test_rows_refuse_different_collectives_without_the_order_check(comm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dtype):
+def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dtype,
+                                                                       monkeypatch):
     """A small all-reduce (every rank's buffer together at most GATHER_MAX_BYTES) is one
     Allgather, each rank summing every buffer in rank order itself; with verify_order=False
     it takes the window. Random values (not exact sums): both give the bits of the rank-order
@@ -340,10 +341,15 @@ def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dt
     for r in range(1, n):
         acc = acc + draws[r].astype(dtype).astype(wide)
     want = (acc * wide(1.0 / n)).astype(dtype)
+    gathered = []
+    real = shm_collectives._gathered_allreduce
+    monkeypatch.setattr(shm_collectives, "_gathered_allreduce",
+                        lambda *a: (gathered.append(1), (yield from real(*a)))[1])
     for verify in (True, False):
         c = Communicator(comm, opts(verify_order=verify))
         x = draws[rank].astype(dtype)
         c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+        assert len(gathered) == 1, (verify, gathered)  # gathered with the check, else not
         np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8),
                                       err_msg=f"verify_order={verify}, rank {rank}")
         same_on_every_rank(comm, x, f"verify_order={verify}")
