@@ -58,8 +58,10 @@ CUT_ELEMENTS = 64
 #: an all-reduce whose buffers of every rank together hold at most this many bytes gathers
 #: them (one MPI call) and every rank sums all of them itself, in rank order: the same bits
 #: and the same rank-order sum as the window's, where the two barriers and the window's
-#: bookkeeping cost more than the bytes (see :func:`_gathered_allreduce`)
-GATHER_MAX_BYTES = 64 << 10
+#: bookkeeping cost more than the bytes (see :func:`_gathered_allreduce`). 2 ranks, MPICH,
+#: x thread: a 64 KiB buffer 1.06 gathered, 0.9-1.4 by the window; from a 128 KiB buffer on
+#: the window wins (0.70, and 0.44 at 256 KiB)
+GATHER_MAX_BYTES = 128 << 10
 
 
 Opened = Generator[Call, None, List[Optional[np.ndarray]]]
