@@ -444,7 +444,7 @@ class Communicator:
         desc = (ALLREDUCE, buf.size, code, -1, *tag)
         if self._on_shm(buf):
             steps = shm_steps.allreduce_steps(self._shm, buf, scale, None, (*desc, self.key),
-                                              shm_steps.chunk_elements(seg, buf.dtype), name,
+                                              seg, name,
                                               gather=self.verify)
             return self._start(steps, (buf,), name, desc, nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
@@ -468,7 +468,7 @@ class Communicator:
         if self._on_shm(buf):
             steps = shm_steps.allreduce_steps(self._shm, buf, scale, int(root),
                                               (*desc, self.key),
-                                              shm_steps.chunk_elements(seg, buf.dtype), name,
+                                              seg, name,
                                               sent_scale=sent_scale)
             return self._start(steps, (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=int(root), rank=self.rank,

@@ -231,7 +231,7 @@ def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]
 
 
 def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
-                        chunk: int) -> Steps:
+                        seg: int) -> Steps:
     """A small all-reduce in one ``Allgather`` of every rank's buffer; every rank then sums
     all of them in rank order 0..p-1 as :func:`_sum_into` sums a slice, so every rank
     computes, and holds, the same bits. Only behind the order check (see
@@ -241,16 +241,18 @@ def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[flo
     rows, sources = stream.gathered(flat.nbytes, flat.dtype)
     yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
     if flat.dtype in HALF:
-        yield from _sum_into(stream, sources, [flat], 0, flat.size, scale, chunk)
+        yield from _sum_into(stream, sources, [flat], 0, flat.size, scale,
+                             chunk_elements(seg, flat.dtype))
     else:
         _sum_disjoint(sources, flat, scale)
 
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
-                    root: Optional[int], desc: Sequence[int], chunk: int, name: str,
+                    root: Optional[int], desc: Sequence[int], seg: int, name: str,
                     sent_scale: Optional[float] = None, gather: bool = False) -> Steps:
-    """All-reduce (``root`` None) or reduce to ``root`` of a host array. ``sent_scale``: a
-    reduce's other ranks scale their own values by it once the peers are done reading.
+    """All-reduce (``root`` None) or reduce to ``root`` of a host array, summed in chunks of
+    :func:`chunk_elements` of ``seg``. ``sent_scale``: a reduce's other ranks scale their own
+    values by it once the peers are done reading.
 
     ``hierarchical`` (``stream.cross``): the node's sum of each chunk of this rank's slice is
     summed over the nodes by the ranks holding the same slice on every node, then written to
@@ -263,8 +265,9 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     flat = buf.reshape(-1)
     rank, p = stream.rank, stream.size
     if gather and root is None and stream.cross is None and p * flat.nbytes <= GATHER_MAX_BYTES:
-        yield from _gathered_allreduce(stream, flat, scale, chunk)
+        yield from _gathered_allreduce(stream, flat, scale, seg)
         return
+    chunk = chunk_elements(seg, flat.dtype)
     me = stream.node * p + rank
     root_node, root_local = (-1, -1) if root is None else divmod(root, p)
     lands = root is None or root == me
