@@ -267,15 +267,15 @@ class ShmStream:
         return arr
 
     def gathered(self, nbytes: int, dtype: Any) -> Tuple[np.ndarray, List[np.ndarray]]:
-        """The receive rows of a gathered all-reduce of ``nbytes`` of ``dtype`` per rank,
-        and every rank's row as a ``dtype`` array: kept per size, since making the views took
-        longer than summing a 4 KiB buffer."""
+        """The receive rows of a gathered all-reduce of ``nbytes`` of ``dtype`` per rank (of
+        every node), and every rank's row as a ``dtype`` array: kept per size, since making
+        the views took longer than summing a 4 KiB buffer."""
         key = (nbytes, dtype)
         found = self._gathered.get(key)
         if found is None:
             if len(self._gathered) >= 64:  # many sizes: keep the memory bounded
                 self._gathered.clear()
-            rows = np.empty((self.size, nbytes), np.uint8)
+            rows = np.empty((self.size * self.nodes, nbytes), np.uint8)
             found = self._gathered[key] = (rows, [row.view(dtype) for row in rows])
         return found
 

@@ -232,11 +232,12 @@ def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]
 
 def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
                         seg: int) -> Steps:
-    """A small all-reduce in one ``Allgather`` of every rank's buffer; every rank then sums
-    all of them in rank order 0..p-1 as :func:`_sum_into` sums a slice, so every rank
-    computes, and holds, the same bits. Only behind the order check (see
-    :func:`allreduce_steps`), which compares what the window's rows would. 2 ranks, 4 KiB:
-    two barriers and the window's bookkeeping took 60-80 us a step, ``thread`` 27-47 us."""
+    """A small all-reduce in one ``Allgather`` of every rank's buffer (of the whole
+    communicator: ``hierarchical`` too); every rank then sums all of them in rank order as
+    :func:`_sum_into` sums a slice, so every rank computes, and holds, the same bits. Only
+    behind the order check (see :func:`allreduce_steps`), which compares what the window's
+    rows would. 2 ranks, 4 KiB: two barriers and the window's bookkeeping took 60-80 us a
+    step, ``thread`` 27-47 us."""
     stream.serial += 1  # in step with the window's rows on every rank
     rows, sources = stream.gathered(flat.nbytes, flat.dtype)
     yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
@@ -264,7 +265,7 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     a peer that started another collective would meet the ``Allgather`` with a barrier."""
     flat = buf.reshape(-1)
     rank, p = stream.rank, stream.size
-    if gather and root is None and stream.cross is None and p * flat.nbytes <= GATHER_MAX_BYTES:
+    if gather and root is None and p * stream.nodes * flat.nbytes <= GATHER_MAX_BYTES:
         yield from _gathered_allreduce(stream, flat, scale, seg)
         return
     chunk = chunk_elements(seg, flat.dtype)

@@ -122,6 +122,44 @@ def test_arrays_outside_the_windows_over_emulated_nodes(comm, monkeypatch):
         sub.Free()
 
 
+@pytest.mark.mpi(min_size=4)
+def test_small_all_reduce_over_emulated_nodes_is_the_rank_order_sum(comm, monkeypatch):
+    """A small all-reduce (GATHER_MAX_BYTES over all ranks) gathers every rank's buffer
+    across the nodes and each rank sums them in rank order: random values, the bits of that
+    sum on every rank, for every dtype; the gathered path is the one that ran."""
+    from mpifusion.comm import shm_collectives
+
+    sub = sub_comm(comm, 2, 2)
+    if sub is None:
+        return
+    try:
+        n, rank = sub.Get_size(), sub.Get_rank()
+        ran = []
+        real = shm_collectives._gathered_allreduce
+        monkeypatch.setattr(shm_collectives, "_gathered_allreduce",
+                            lambda *a: (ran.append(1), (yield from real(*a)))[1])
+        c = Communicator(sub, hier(2))
+        assert c.strategy == "hierarchical"
+        for dtype in (float32, np.dtype(np.float64), float16, bfloat16):
+            numel = 999
+            draws = [np.random.default_rng([r, 7]).standard_normal(numel) for r in range(n)]
+            wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+            acc = draws[0].astype(dtype).astype(wide)
+            for r in range(1, n):
+                acc = acc + draws[r].astype(dtype).astype(wide)
+            want = (acc * wide(1.0 / n)).astype(dtype)
+            x = draws[rank].astype(dtype)
+            c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+            np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8),
+                                          err_msg=f"rank {rank} {np.dtype(dtype).name}")
+            same_on_every_rank(sub, x, np.dtype(dtype).name)
+        assert len(ran) == 4, ran
+        c.close()
+    finally:
+        release(sub)
+        sub.Free()
+
+
 def test_node_size_must_divide_the_ranks():
     with pytest.raises(OptionError, match=r"rank 0: node_size: expected a divisor of the "
                                           r"communicator's 1 ranks, got 2"):
