@@ -131,21 +131,16 @@ Cross = Optional[Callable[[np.ndarray], Steps]]
 
 def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
               lo: int, hi: int, scale: Optional[float], chunk: int,
-              cross: Cross = None, disjoint: bool = False) -> Steps:
+              cross: Cross = None) -> Steps:
     """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
     ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
     as half and rounded once where a dest is half), the same bits whoever computes it.
     ``cross``: the calls that sum each chunk's accumulator over the nodes, in place, before
-    it is scaled (``hierarchical``; its chunks are the same on every node). ``disjoint``:
-    the one dest overlaps no source, so an fp32/fp64 sum is made in it directly (the same
-    operations: no accumulator, no copy)."""
+    it is scaled (``hierarchical``; its chunks are the same on every node)."""
     if hi <= lo:
         return
     dtype = sources[0].dtype
     half = dtype in HALF
-    if disjoint and not half and cross is None:
-        _sum_disjoint([src[lo:hi] for src in sources], dests[0][lo:hi], scale)
-        return
     step = min(chunk, hi - lo)
     acc_all = stream.work(0, step, float32 if half else dtype)
     tmp_all = stream.work(1, step, float32) if half else None
