@@ -141,12 +141,17 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
         return
     dtype = sources[0].dtype
     half = dtype in HALF
+    # fp32/fp64 summed straight into the first dest where the first two sums read it first
+    # (a source of the first two ranks, or none): no accumulator, one pass less per chunk;
+    # this rank alone touches its slice there until the closing barrier
+    direct = (not half and cross is None and len(sources) > 1 and len(dests) > 0
+              and (dests[0] is sources[0] or dests[0] is sources[1]))
     step = min(chunk, hi - lo)
-    acc_all = stream.work(0, step, float32 if half else dtype)
+    acc_all = None if direct else stream.work(0, step, float32 if half else dtype)
     tmp_all = stream.work(1, step, float32) if half else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        acc = acc_all[:b - a]
+        acc = dests[0][a:b] if direct else acc_all[:b - a]
         if half:
             halfcast.widen(sources[0][a:b], acc)
             tmp = tmp_all[:b - a]
@@ -165,10 +170,10 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
             backend.scale_(acc, scale)
         if not dests:
             continue
-        first = dests[0][a:b]
+        first = acc if direct else dests[0][a:b]
         if first.dtype in HALF:
             halfcast.narrow(acc, first)
-        else:
+        elif not direct:
             first[...] = acc
         for dest in dests[1:]:
             dest[a:b] = first
