@@ -158,12 +158,8 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
             for src in sources[1:]:
                 halfcast.widen(src[a:b], tmp)
                 np.add(acc, tmp, out=acc)
-        elif len(sources) > 1:
-            np.add(sources[0][a:b], sources[1][a:b], out=acc)
-            for src in sources[2:]:
-                np.add(acc, src[a:b], out=acc)
         else:
-            acc[...] = sources[0][a:b]
+            _add_in_rank_order([src[a:b] for src in sources], acc)
         if cross is not None:
             yield from cross(acc)
         if scale is not None:
@@ -179,18 +175,15 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
             dest[a:b] = first
 
 
-def _sum_disjoint(sources: Sequence[np.ndarray], out: np.ndarray,
-                  scale: Optional[float]) -> None:
-    """``out = scale * sum(sources)`` in rank order, fp32/fp64, where ``out`` overlaps no
-    source: the operations of :func:`_sum_into`, made in ``out`` itself."""
+def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """``out = sum(sources)``, fp32/fp64, left to right in rank order; ``out`` may be the
+    first or second source (each element is read before it is written) or apart from all."""
     if len(sources) > 1:
         np.add(sources[0], sources[1], out=out)
         for src in sources[2:]:
             np.add(out, src, out=out)
     else:
         out[...] = sources[0]
-    if scale is not None:
-        backend.scale_(out, scale)
 
 
 def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
@@ -244,8 +237,10 @@ def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[flo
     if flat.dtype in HALF:
         yield from _sum_into(stream, sources, [flat], 0, flat.size, scale,
                              chunk_elements(seg, flat.dtype))
-    else:
-        _sum_disjoint(sources, flat, scale)
+    else:  # apart from every source: summed in the buffer itself, as _sum_into's direct sum
+        _add_in_rank_order(sources, flat)
+        if scale is not None:
+            backend.scale_(flat, scale)
 
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
