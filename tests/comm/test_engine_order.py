@@ -793,13 +793,14 @@ MIDWAY = textwrap.dedent('''
         except AbandonedError as exc:
             print(f"rank 1: refused: {exc}", flush=True)
         open(os.path.join(events, "tried"), "w").close()
-        # the peers time out and look at their buffers before this exits
-        wait_for(*(f"looked{r}" for r in range(comm.Get_size()) if r != 1))
     else:
         wait_for("tried")
         time.sleep(0.5)  # a wrongly started check would land in this rank's buffer by now
         print(f"rank {rank}: buffer {'untouched' if (buf == 1).all() else buf}", flush=True)
         open(os.path.join(events, f"looked{rank}"), "w").close()
+    # every peer looks at its buffer before any rank exits: the launcher ends the whole job
+    # when one rank leaves without MPI_Finalize
+    wait_for(*(f"looked{r}" for r in range(comm.Get_size()) if r != 1))
     sys.stdout.flush()
     os._exit(0)  # rank 0's collective can never finish: do not wait for it at exit
 ''')
