@@ -26,9 +26,9 @@ the windows whose memory no rank still holds an array of (one agreed all-reduce)
 stay mapped until exit, where :func:`free_at_exit` frees every window left, in creation order,
 if every rank votes that it exits cleanly (one that exits on an error, stuck or after an
 abandoned collective votes no: MPI_Finalize or the abort cleans up). So with ``shm`` a
-buffer's window memory is kept for the buffer's lifetime: ``release_grads``,
-``clear_grad_storage`` and ``clear_param_storage`` drop the arrays, and the next allocation
-reuses the same region, zeroed. Both MPIs here back a window with a file in /dev/shm that
+buffer's window stays mapped for the buffer's lifetime: ``release_grads``,
+``clear_grad_storage`` and ``clear_param_storage`` give the region's pages back
+(:func:`punch`, local), and the next allocation reuses the same region, zeroed. Both MPIs here back a window with a file in /dev/shm that
 they unlink as soon as every rank mapped it (MPICH ``mpich_shar_tmp*``, Open MPI
 ``osc_sm.*``), so a killed job leaves nothing of mpifusion's there (measured: issue 29).
 
@@ -46,11 +46,12 @@ competed for it.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -158,6 +159,35 @@ def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
     except (OSError, AttributeError):
         return None
     return st.f_bavail * st.f_frsize
+
+
+_MADV_REMOVE = 9  # Linux: free a shared mapping's pages and their backing store
+
+
+def _libc_madvise() -> Optional[Callable[..., int]]:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
+
+
+def punch(region: np.ndarray) -> bool:
+    """Give a window region's pages back to the system (``madvise(MADV_REMOVE)``: the
+    shared memory behind them is freed and they read as zeros when touched again), so
+    ``release_grads`` saves memory with ``shm`` as it does with fresh arrays. Local: the
+    window stays mapped on every rank. ``region`` starts on a page and owns the rest of its
+    last page (``NodeMemory.reserve``). False where the system refused (then nothing
+    changed and the region keeps its values)."""
+    addr = region.ctypes.data
+    if _MADVISE is None or addr % PAGE or region.nbytes == 0:
+        return False
+    return _MADVISE(addr, round_up(region.nbytes), _MADV_REMOVE) == 0
 
 
 class SharedWindow:
@@ -363,7 +393,11 @@ class NodeMemory:
         win, reason = self.allocate_agreed(total, where, wanted)
         if win is None:
             return [], reason if wanted else ""
-        return [win.mine[o:o + int(n) * np.dtype(d).itemsize].view(d)
+        # each region is an array of its own over the window's memory (not a view of
+        # ``mine``): views of it then keep *it* as their base, so its reference count says
+        # whether anything still uses it (see ``BufferMemory.release``)
+        pages = memoryview(win.mine)
+        return [np.frombuffer(pages[o:o + int(n) * np.dtype(d).itemsize], dtype=d)
                 for o, (n, d) in zip(offsets, sizes)], ""
 
     def stream(self, tag: str, where: str) -> Tuple[Optional[ShmStream], str]:
@@ -482,5 +516,5 @@ def live_windows() -> int:
 
 
 __all__ = ["NodeMemory", "SharedWindow", "ShmStream", "agree_max", "free_at_exit",
-           "free_bytes", "live_windows", "memory_for", "node_layout", "ranks_on_node",
-           "release_memory"]
+           "free_bytes", "live_windows", "memory_for", "node_layout", "punch",
+           "ranks_on_node", "release_memory"]

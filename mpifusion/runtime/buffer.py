@@ -180,6 +180,8 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self.layout = (plan_or_raise(plan_sharded, self._params, nranks, rank=rank) if sharded
                        else plan_or_raise(plan_flat, self._params, rank=rank))
         self._memory = self._reserve_memory(sharded or opts.fuse_param)
+        if opts.release_grads:  # no grads until the first add_grad: give the pages back
+            self._memory.release("grad")
         if sharded:
             (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
              self.grad_storage, _) = build_reduce_scatter_buffer(
@@ -662,7 +664,9 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         """
         if self._task is not None:
             self._wait_task(self._task, "grad communication", self._task_seq)
-            self._pre_comm_grads = None
+            if self._pre_comm_grads is not None:  # the shard holds the result now
+                self._pre_comm_grads = None
+                self._memory.release("grad")
 
     def _reset_params_checked_in(self) -> None:
         self._task = None
@@ -692,6 +696,10 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                 f"grads would be lost; expected scale_grads() first (or reset() to drop the "
                 f"step). Nothing was changed")
         self.grad_storage = None
+        self._drop_grad_views()
+        self._memory.release("grad")  # after the views: a live one would keep the pages
+
+    def _drop_grad_views(self) -> None:
         for p in self._params:
             g = backend.shared_array(grad_of(p, self.use_main_grad))  # a torch view too
             view = self._grad_view[p.name]

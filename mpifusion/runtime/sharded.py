@@ -34,6 +34,9 @@ class ShardedParams:
         """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
         self._require_sharded("assign_slice_grad")
         self._checkin.steps_of(param)  # GradError unless one of this buffer's Param objects
+        if self.param_storage is None:
+            raise StateError(f"{self._where()}: assign_slice_grad: the param buffer was "
+                             f"cleared; expected reset_param_storage() first")
         self._sharding_param_grad_view[param.name].assign_slice_grad(slice_param)
 
     def sync_params(self, sync: bool = True, param2task: Optional[dict] = None) -> Optional[CommTask]:
@@ -98,6 +101,8 @@ class ShardedParams:
         self.param_storage = None
         for p in self._params:
             p.data = None
+            self._sharding_param_grad_view[p.name].clear_param_buffer()
+        self._memory.release("param")
         self.status = self.Status.SHARDED
 
     def reset_param_storage(self) -> None:

@@ -6,11 +6,13 @@ param's data and grad become views of its slot, so frameworks write straight int
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence
 
 from mpi4py import MPI
 
 from ..arrays import backend
+from ..comm.shm import punch
 from ..errors import LayoutError, error_context
 from ..plan.grouping import grad_dtype_for
 from ..plan.layout import FlatLayout, Slot, plan_flat, plan_sharded
@@ -83,23 +85,50 @@ def adopt_grad(param: Param, use_main_grad: bool, view: Any) -> None:
     set_grad(param, use_main_grad, view)
 
 
+def _unused_probe() -> int:
+    probe = {"region": object()}
+    return sys.getrefcount(probe["region"])
+
+
+#: the reference count of an array held only by ``BufferMemory.regions`` (measured the way
+#: ``release`` measures, so it holds on any Python version)
+_UNUSED_REFS = _unused_probe()
+
+
 class BufferMemory:
     """Where a buffer's flat storage comes from: fresh arrays (``backend.zeros``), or, with
     the ``shm`` strategy, the regions of a shared window the communicator reserved at
-    construction (``Communicator.reserve``), handed out zeroed on every (re)allocation. So a
-    buffer's window memory is kept for its lifetime: ``release_grads``, ``clear_grad_storage``
-    and ``clear_param_storage`` drop the arrays, the next allocation reuses the region."""
+    construction (``Communicator.reserve``), handed out zeroed on every (re)allocation. The
+    window stays mapped for the buffer's lifetime (freeing it is collective), but
+    ``release_grads``, ``clear_grad_storage`` and ``clear_param_storage`` give a region's
+    pages back (:meth:`release`), so they save memory with ``shm`` too."""
 
     def __init__(self, param: Any = None, grad: Any = None) -> None:
         self.regions = {"param": param, "grad": grad}
+        #: regions whose pages were given back: they read as zeros already
+        self.punched = {"param": False, "grad": False}
 
     def zeros(self, which: str, numel: int, dtype: Any, like: Any) -> Any:
         """``numel`` zeros of ``dtype`` for the ``which`` ("param"/"grad") storage."""
         region = self.regions[which]
         if region is None or region.size != numel or region.dtype != dtype:
             return backend.zeros(numel, dtype, like)
-        region[...] = 0
+        if not self.punched[which]:
+            region[...] = 0
+        self.punched[which] = False
         return region
+
+    def release(self, which: str) -> bool:
+        """The buffer dropped its ``which`` storage: give the region's pages back, unless
+        an array of it is still alive (a grad or param the user kept: it keeps its values,
+        as a dropped fresh array would, until the next allocation zeroes the region). True
+        where the pages went back."""
+        if self.regions[which] is None or self.punched[which]:
+            return False
+        if sys.getrefcount(self.regions[which]) > _UNUSED_REFS:
+            return False
+        self.punched[which] = punch(self.regions[which])
+        return self.punched[which]
 
 
 #: fresh arrays for every allocation (no reserved regions)
@@ -180,6 +209,10 @@ class ShardingGradView:
     def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
         self._param_buffer = param_buffer
         adopt_data(self.param, slot_view(param_buffer, self.slot), copy)
+
+    def clear_param_buffer(self) -> None:
+        """``clear_param_storage``: a buffer kept here would keep all of its memory."""
+        self._param_buffer = None
 
     def fill_slice_param(self, slice_param: Param) -> None:
         """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""

@@ -147,3 +147,25 @@ def test_staged_path_pins_a_bounded_ring_per_collective(monkeypatch):
     assert 0 < cuda.staging_stats["pinned_bytes"] <= (window + 2) * segment
     assert pool.used_bytes() - before < buf.grad_storage.nbytes  # no device copy kept
     assert float(abs(buf.grad_storage[:1000] - 0.5).max()) == 0.0
+
+
+@pytest.mark.parametrize("what", ["grad", "param"])
+def test_clearing_a_storage_frees_its_memory(what):
+    """clear_grad_storage / clear_param_storage free the whole buffer: no view kept inside
+    (a param's place in a reduce-scatter buffer kept its param buffer before)."""
+    params = _params(np.float32)
+    tracemalloc.start()  # before the buffer: only blocks traced from the start count freed
+    try:
+        buf = FusedCommBuffer(0, params, MPI.COMM_SELF, act="reduce_scatter",
+                              release_grads=True)
+        for p in params:
+            buf.add_grad(p, grad=np.full(p.shape, 0.5, np.float32))
+        buf.scale_grads()
+        before = tracemalloc.get_traced_memory()[0]
+        buf.clear_grad_storage() if what == "grad" else buf.clear_param_storage()
+        freed = before - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    nbytes = buf.buffer_size * 4
+    log.info("clear %s storage of %d bytes: %d bytes freed", what, nbytes, freed)
+    assert freed >= nbytes - SLACK, f"{freed} of {nbytes} bytes freed"

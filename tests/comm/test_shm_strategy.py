@@ -185,6 +185,58 @@ def test_free_grads_in_comm_and_reset_param_storage(comm):
     assert buf.comm.in_shared_window(params[0].data)
 
 
+def shared_rss(comm):
+    """This process's resident shared memory, in bytes, once every rank got here."""
+    comm.Barrier()
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+    return kib * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+@pytest.mark.mpi(min_size=2)
+def test_released_storage_gives_its_pages_back(comm):
+    """release_grads / clear_grad_storage / clear_param_storage save memory with shm too:
+    the region's pages go back to the system (the window stays mapped); a grad the user
+    kept keeps its values instead; the next step is exact again in the same region."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    shapes = [(1 << 18,), (3, 70001)]  # 1 MiB and 0.8 MiB of fp32
+    buf, params = make(comm, HookAction.REDUCE_SCATTER, float32, 3, shapes=shapes,
+                       release_grads=True)
+    grad_bytes = buf.buffer_size * 4
+    region = None
+    for step in range(3):
+        for p, g in zip(params, grads(rank, step, float32, shapes)):
+            buf.add_grad(p, grad=g)
+        assert buf.comm.in_shared_window(buf.grad_storage)
+        region = region or buf.grad_storage.ctypes.data
+        assert buf.grad_storage.ctypes.data == region, "the grads left their region"
+        buf.scale_grads()
+        check_grads(buf, params, step, float32)
+        kept = params[0].grad if step == 1 else None
+        want = kept.copy() if step == 1 else None
+        before = shared_rss(comm)
+        buf.clear_grad_storage()
+        dropped = before - shared_rss(comm)
+        if step == 1:  # a live view keeps the region's values, and its pages
+            np.testing.assert_array_equal(kept, want)
+            assert dropped < grad_bytes, f"rank {rank}: {dropped} bytes went back"
+            del kept
+        else:
+            assert dropped >= grad_bytes, (f"rank {rank} step {step}: {dropped} bytes of "
+                                           f"shared memory went back, expected >= {grad_bytes}")
+    lo, hi = buf.layout.shard_range(rank)
+    buf.param_storage[lo:hi] = 1.0
+    buf.sync_params()
+    before = shared_rss(comm)
+    buf.clear_param_storage()
+    dropped = before - shared_rss(comm)
+    assert dropped >= buf.buffer_size * 4, f"rank {rank}: {dropped} bytes of params went back"
+    buf.reset_param_storage()
+    assert not buf.param_storage.any()
+    buf.close()
+
+
 # ------------------------------------------------------------------ arrays outside the windows
 
 
