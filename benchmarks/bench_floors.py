@@ -33,7 +33,7 @@ from mpifusion import machine
 from mpifusion.plan.actions import HookAction
 from mpifusion.tools.bench.baselines import (reduce_scatter_allgather, segmented_allreduce,
                                              segmented_reduce)
-from mpifusion.tools.bench.workload import (AUTO_STRATEGY, build_buffers, default_segment,
+from mpifusion.tools.bench.workload import (auto_strategy, build_buffers, default_segment,
                                             full_step, grad_bytes, make_params)
 from mpifusion.tools.timing import best_per_round, mpi_name, timeit_many
 
@@ -83,13 +83,14 @@ def main() -> None:
     groups: Dict[str, List[str]] = {}
     info: Dict[str, List[str]] = {}
     keep = []
+    auto = auto_strategy(comm)  # the strategy a default buffer takes here
     for name in args.actions.split(","):
         act = HookAction[name]
         bufs = build_buffers(make_params(args.preset, None, rank, fill=False), act,
-                             256 * MiB, comm, AUTO_STRATEGY)
+                             256 * MiB, comm, auto)
         keep.append(bufs)
         sync = act == HookAction.REDUCE_SCATTER
-        label = f"{name}{' + sync_params' if sync else ''} step [{AUTO_STRATEGY}]"
+        label = f"{name}{' + sync_params' if sync else ''} step [{auto}]"
         fns[label] = (lambda b=bufs, y=sync: full_step(b, y))
         floors = floors_of[name](comm, grad_bytes(bufs) // 4)
         fns.update(floors)

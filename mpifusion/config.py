@@ -46,8 +46,8 @@ HALFCAST_MODES = ("auto", "kernel", "numpy")
 STRATEGIES = ("thread", "nonblocking", "shm", "hierarchical")
 #: strategies whose collectives run on a communication thread: MPI_THREAD_MULTIPLE only
 THREADED_STRATEGIES = ("thread", "shm", "hierarchical")
-#: ``auto``: ``thread`` where MPI runs at MPI_THREAD_MULTIPLE, else ``nonblocking`` (never
-#: ``shm`` or ``hierarchical`` yet: they are chosen explicitly).
+#: ``auto``: ``shm`` / ``hierarchical`` where ranks share a node, else ``thread``;
+#: ``nonblocking`` below MPI_THREAD_MULTIPLE (``communicator.resolve_strategy``).
 DEFAULT_STRATEGY = "auto"
 #: Half-precision pieces when segments are off (0), so no full-size fp32 copy is made. The
 #: ``thread`` strategy's default segment size is the machine's (``machine.segment_for``).
@@ -235,7 +235,8 @@ class CommOptions:
     node reduce directly in MPI-3 shared windows that hold the buffers, driven by a
     communication thread; ``thread`` where the ranks span nodes), ``"hierarchical"`` (``shm``
     within each node, MPI between the ranks that hold the same slice on every node) or
-    ``"auto"`` (``thread`` where MPI allows threads, i.e. MPI_THREAD_MULTIPLE). ``node_size``:
+    ``"auto"`` (``shm`` on one node, ``hierarchical`` over nodes of several ranks each,
+    else ``thread``; ``nonblocking`` below MPI_THREAD_MULTIPLE). ``node_size``:
     ranks per node for ``shm``/``hierarchical``, consecutive ranks forming a node (emulated
     nodes; ``None``: the nodes MPI reports). ``segment_bytes``: size
     of the pieces a buffer is reduced in; ``None`` takes the strategy's default, 0 means one

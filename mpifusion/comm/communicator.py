@@ -3,7 +3,10 @@
 How a buffer is handed to MPI changes the time of a sync by up to 8x (see BENCHMARKS.md), so
 the way collectives run is a *strategy* (``CommOptions.strategy``):
 
-``thread`` (default)
+``auto`` (default) is ``shm`` or ``hierarchical`` where ranks share a node, else ``thread``
+(:func:`resolve_strategy`).
+
+``thread``
     A daemon thread per communicator runs blocking collectives in segments of
     ``segment_bytes`` (blocking calls take MPI's fastest algorithms; segments stay in cache,
     so the ``1/n`` scaling and half-precision rounding of each segment are cheap). It
@@ -105,17 +108,31 @@ def allreduce_way(choice: str, strategy: str) -> str:
     return "mpi"
 
 
-def resolve_strategy(choice: str) -> Tuple[str, str]:
-    """``CommOptions.strategy`` resolved, and why (what ``mpifusion info`` prints): ``auto``
-    is ``thread`` where MPI runs at MPI_THREAD_MULTIPLE (its blocking segments on a
-    communication thread), else ``nonblocking`` (no second thread may call MPI). ``auto``
-    does not pick ``shm`` yet: its windows stay mapped for a buffer's lifetime, a change of
-    memory behaviour a job should opt into (docs/performance.md)."""
+def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str = "",
+                     thread_multiple: Optional[bool] = None) -> Tuple[str, str]:
+    """``CommOptions.strategy`` resolved for a communicator of ``size`` ranks, ``per_node``
+    of them on each node (``uneven``: why the nodes do not hold equally many, numbered node
+    by node), and why (what ``mpifusion info`` prints). ``auto`` takes shared memory where
+    ranks share a node, since a direct reduction in a shared window stays near a memcpy where
+    MPI's own all-reduce ran 1.1-7x slower (BENCHMARKS.md): ``shm`` when every rank is on one
+    node, ``hierarchical`` across nodes of several ranks each, else ``thread`` (its blocking
+    segments on a communication thread); ``nonblocking`` below MPI_THREAD_MULTIPLE (no second
+    thread may call MPI). ``thread_multiple``: the thread level (None: MPI's)."""
     if choice != "auto":
         return choice, "chosen (strategy= or MPIFUSION_COMM_STRATEGY)"
-    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
-        return "thread", "auto: MPI is at MPI_THREAD_MULTIPLE"
-    return "nonblocking", "auto: MPI is not at MPI_THREAD_MULTIPLE"
+    if thread_multiple is None:
+        thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+    if not thread_multiple:
+        return "nonblocking", "auto: MPI is not at MPI_THREAD_MULTIPLE"
+    if size <= 1:
+        return "thread", "auto: one rank"
+    if uneven:
+        return "thread", f"auto: {uneven}"
+    if per_node >= size:
+        return "shm", f"auto: all {size} ranks share one node"
+    if per_node <= 1:
+        return "thread", "auto: one rank per node"
+    return "hierarchical", f"auto: {size // per_node} nodes of {per_node} ranks"
 
 
 _MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
@@ -158,11 +175,15 @@ class Communicator:
             options = CommOptions.from_env(**overrides)
         elif overrides:
             options = options.with_(**overrides)
-        if options.strategy == "auto":
-            strategy, why = resolve_strategy(options.strategy)
+        self.control = private_comm(comm, "control", options.timeout)
+        self.tracker = health.tracker_for(self.control)
+        per_node, uneven = self._nodes(options)
+        #: ``auto`` chose the strategy (its fallback is then no surprise: logged at info)
+        self.auto = options.strategy == "auto"
+        if self.auto:
+            strategy, why = resolve_strategy("auto", comm.Get_size(), per_node, uneven)
             options = options.with_(strategy=strategy)
-            if strategy != "thread":
-                logger.info("rank %d: strategy %r (%s)", comm.Get_rank(), strategy, why)
+            logger.info("rank %d: strategy %r (%s)", comm.Get_rank(), strategy, why)
         if (options.strategy in THREADED_STRATEGIES
                 and MPI.Query_thread() < MPI.THREAD_MULTIPLE):
             raise OptionError(f"rank {comm.Get_rank()}: strategy {options.strategy!r}: "
@@ -187,8 +208,6 @@ class Communicator:
         self.user_comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.control = private_comm(comm, "control", self.timeout)
-        self.tracker = health.tracker_for(self.control)
         self.key = -1           # this communicator's index among those built on comm
         self.slot: Optional[int] = None   # negotiated: its bits in the rounds
         self.comm: Optional[MPI.Comm] = None
@@ -203,6 +222,19 @@ class Communicator:
         self._shm: Optional[ShmStream] = None       # shm: this stream's rows and scratch
         if open:
             self.open()
+
+    def _nodes(self, options: CommOptions) -> Tuple[int, str]:
+        """``(ranks per node, why the nodes are uneven)``: emulated by ``node_size``, else
+        MPI's nodes, probed once per communicator -- by every rank, whatever its options,
+        so that the calls line up even where the agreement check will find options that
+        differ (collective on the first Communicator built on ``comm``)."""
+        if self.tracker.nodes is None:
+            _, _, per, uneven = node_layout(self.control, None, options.timeout)
+            self.tracker.nodes = (per, uneven)
+        if options.node_size is not None:
+            node_layout(self.control, options.node_size, None)  # OptionError unless it fits
+            return options.node_size, ""
+        return self.tracker.nodes
 
     def _agreement_entries(self) -> list:
         """What every rank must agree on for the stream to line up (strategy, segments, ...)."""
@@ -302,8 +334,9 @@ class Communicator:
             self._memory, self._shm = memory, stream
             return
         self.shm_fallback = reason
-        logger.warning("rank %d: strategy %r unavailable, using 'thread': %s",
-                       self.rank, self.strategy, reason)
+        logger.log(logging.INFO if self.auto else logging.WARNING,
+                   "rank %d: strategy %r unavailable, using 'thread': %s",
+                   self.rank, self.strategy, reason)
         self.strategy = "thread"
 
     def reserve(self, sizes: Sequence[Tuple[int, Any]], like: Any,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -184,6 +184,9 @@ class StartTracker:
         self.abandoned: dict = {}  # rank -> (key, seq) of a collective it gave up
         self._next_slot = 0
         self._slots: set = set()   # negotiation slots in use on this rank
+        #: ``(ranks per node, why the nodes are uneven)`` of the communicator, learned by the
+        #: first Communicator built on it (``Communicator._nodes``)
+        self.nodes: Optional[Tuple[int, str]] = None
 
     def register(self) -> int:
         key = self._next_key

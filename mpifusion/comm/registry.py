@@ -197,9 +197,12 @@ def _stop_engines() -> None:
     _EXITING = True
     _ENGINES.clear()
     # shm windows, in creation order, where every rank exits cleanly (a vote: one that
-    # exits on an error, stuck or with a collective abandoned votes no and leaves them to
-    # MPI_Finalize or the abort, rather than hang its peers in MPI_Win_free)
-    free_at_exit(clean=not troubled and not blocked)
+    # exits stuck or with a collective abandoned votes no and leaves them to MPI_Finalize
+    # or the abort, rather than hang its peers in MPI_Win_free). A rank exiting on an error
+    # does not even vote: a peer may never come to the vote (it withheld a grad, or is
+    # stopped), and under python -m mpi4py the abort that follows ends the job
+    if not quick:
+        free_at_exit(clean=not troubled and not blocked)
     if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
         for stream in (sys.stdout, sys.stderr):
             try:

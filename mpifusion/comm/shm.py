@@ -46,12 +46,14 @@ competed for it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import sys
+import tempfile
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -190,6 +192,39 @@ def punch(region: np.ndarray) -> bool:
     return _MADVISE(addr, round_up(region.nbytes), _MADV_REMOVE) == 0
 
 
+#: what Open MPI 5's osc/ucx component prints on every window where UCX was not initialised
+#: (its ob1 transport runs), while osc/sm makes the window: harmless, and the only such line
+OSC_UCX_NOTICE = "OSC UCX component priority set inside component query failed"
+
+
+@contextlib.contextmanager
+def _without_osc_ucx_notice() -> Iterator[None]:
+    """Open MPI: drop its OSC UCX notice (an ``Error:`` line per window and rank) from what
+    the call writes to stderr, and pass everything else on. Other MPIs: nothing."""
+    if MPI.get_vendor()[0] != "Open MPI":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept, skip_blank = [], False
+            for line in caught.read().splitlines(keepends=True):
+                if OSC_UCX_NOTICE.encode() in line:
+                    skip_blank = True  # the notice is followed by a line of one space
+                elif not (skip_blank and not line.strip()):
+                    kept.append(line)
+                    skip_blank = False
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 class SharedWindow:
     """One MPI-3 shared window of ``nbytes`` per rank, with every rank's segment as a numpy
     byte array (``segments[r]``). ``internal``: mpifusion's own (a stream's control window),
@@ -202,7 +237,8 @@ class SharedWindow:
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each segment on the owner's pages
         try:
-            self.win = MPI.Win.Allocate_shared(nbytes, 1, info=info, comm=comm)
+            with _without_osc_ucx_notice():
+                self.win = MPI.Win.Allocate_shared(nbytes, 1, info=info, comm=comm)
         finally:
             info.Free()
         self.serial = serial

@@ -341,13 +341,17 @@ def _segment_default() -> Tuple[Optional[int], str]:
 def _strategy_default() -> Tuple[str, str]:
     """The strategy a buffer built with the default options uses here, and why (a refused
     ``MPIFUSION_COMM_STRATEGY`` is shown as such, as for the segment size)."""
+    from mpi4py import MPI
+
     from ..comm.communicator import resolve_strategy
+    from ..comm.shm import node_layout
 
     try:
         options = CommOptions.from_env()
+        _, _, per, uneven = node_layout(MPI.COMM_WORLD, options.node_size, options.timeout)
     except OptionError as exc:
         return "none", f"refused: {exc}"
-    return resolve_strategy(options.strategy)
+    return resolve_strategy(options.strategy, MPI.COMM_WORLD.Get_size(), per, uneven)
 
 
 def collect_info() -> dict:

@@ -199,7 +199,7 @@ def test_released_storage_gives_its_pages_back(comm):
     """release_grads / clear_grad_storage / clear_param_storage save memory with shm too:
     the region's pages go back to the system (the window stays mapped); a grad the user
     kept keeps its values instead; the next step is exact again in the same region."""
-    n, rank = comm.Get_size(), comm.Get_rank()
+    rank = comm.Get_rank()
     shapes = [(1 << 18,), (3, 70001)]  # 1 MiB and 0.8 MiB of fp32
     buf, params = make(comm, HookAction.REDUCE_SCATTER, float32, 3, shapes=shapes,
                        release_grads=True)
@@ -536,3 +536,17 @@ def test_below_thread_multiple_is_refused_naming_the_rank(monkeypatch):
     with pytest.raises(OptionError, match=r"rank 0: strategy 'shm': expected MPI "
                                           r"initialised at MPI_THREAD_MULTIPLE"):
         Communicator(MPI.COMM_SELF, CommOptions(strategy="shm"))
+
+
+def test_open_mpis_osc_ucx_notice_is_dropped_and_nothing_else(monkeypatch, capfd):
+    """Open MPI 5 prints an ``Error:`` line per window and rank where osc/ucx declines;
+    only that line (and the blank one after it) goes, whatever else was written."""
+    monkeypatch.setattr(MPI, "get_vendor", lambda: ("Open MPI", (5, 0, 11)))
+    with shm._without_osc_ucx_notice():
+        os.write(2, b"before\n[vm:1] osc_ucx_component.c:375  Error: "
+                    + shm.OSC_UCX_NOTICE.encode() + b" \n \nafter\n")
+    assert capfd.readouterr().err == "before\nafter\n"
+    monkeypatch.setattr(MPI, "get_vendor", lambda: ("MPICH", (5, 0, 2)))
+    with shm._without_osc_ucx_notice():
+        os.write(2, shm.OSC_UCX_NOTICE.encode() + b"\n")
+    assert shm.OSC_UCX_NOTICE in capfd.readouterr().err  # another MPI's text: untouched

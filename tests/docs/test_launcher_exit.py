@@ -51,7 +51,8 @@ def test_a_rank_dying_without_finalize_ends_the_job(tmp_path):
     script = tmp_path / "x.py"
     script.write_text(SCRIPT)
     out = run_job(2, [sys.executable, script, "_exit"], timeout=ENDS_WITHIN)
-    assert out.returncode == 3, out.stdout + out.stderr
+    # the dead rank's code, or 9 where hydra reports the SIGKILL it sent rank 0 first
+    assert out.returncode in (3, 9), out.stdout + out.stderr
     assert "passed the barrier" not in out.stdout
 
 

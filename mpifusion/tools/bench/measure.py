@@ -28,7 +28,7 @@ from ..timing import mpi_name, round_ratio, timeit, timeit_many
 from .baselines import gloo_allreduce, raw_candidates, raw_other, segmented_allreduce
 from .probes import add_grad_cost, overlap, peak_memory
 from .settings import Settings, auto_group_sweep, auto_size_sweep
-from .workload import (AUTO_STRATEGY, HALF_DTYPE, MiB, build_buffers, default_segment,
+from .workload import (HALF_DTYPE, auto_strategy, MiB, build_buffers, default_segment,
                        fallback_reason, full_step, grad_bytes, make_params, usable_strategies)
 
 #: buffer sizes of the small-buffer latency check (issue 29: no slower than thread)
@@ -46,6 +46,8 @@ class Bench:
     world: MPI.Comm
     comm: MPI.Comm  # a duplicate: barriers and raw candidates never touch mpifusion's comms
     res: Dict[str, Any] = field(default_factory=dict)
+    #: the strategy a default buffer takes here (``measure_meta`` learns it)
+    auto: str = "thread"
 
     @property
     def rank(self) -> int:
@@ -71,12 +73,13 @@ class Bench:
 def measure_meta(b: Bench) -> None:
     """What the run is: model, ranks, MPI, versions, defaults; and the strategies this job
     cannot run, dropped with their reason (the report states it)."""
+    b.auto = auto_strategy(b.comm)
     b.s.strategies, skipped = usable_strategies(b.s.strategies, MPI.Query_thread())
     b.res["skipped_strategies"] = skipped
     for name, why in skipped.items():
         b.say(f"# strategy {name} skipped: {why}")
     if not b.s.strategies:  # the step rows need one strategy: the one a default run takes
-        b.s.strategies = [AUTO_STRATEGY]
+        b.s.strategies = [b.auto]
     params = b.params()
     b.res["meta"] = {
         "preset": b.s.preset, "dtype": str(params[0].data.dtype), "params": len(params),
@@ -84,7 +87,7 @@ def measure_meta(b: Bench) -> None:
         "mpi": mpi_name(), "mpi4py": mpi4py.__version__,
         "numpy": np.__version__, "python": platform.python_version(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
-        "thread_level": MPI.Query_thread(), "default_strategy": AUTO_STRATEGY,
+        "thread_level": MPI.Query_thread(), "default_strategy": b.auto,
         "default_segment_bytes": default_segment(b.comm), "group_bytes": b.s.group_bytes,
         "iters": b.s.iters, "warmup": b.s.warmup,
         "busbw_factor": bus_factor("all_reduce", b.n),
@@ -101,7 +104,7 @@ def measure_allreduce_steps(b: Bench) -> None:
     fns: Dict[str, Callable[[], Any]] = {}
     meta_of: Dict[str, dict] = {}
     keep = []
-    for strategy, avg in [(s, False) for s in b.s.strategies] + [(AUTO_STRATEGY, True)]:
+    for strategy, avg in [(s, False) for s in b.s.strategies] + [(b.auto, True)]:
         buffers = b.buffers(HookAction.ALL_REDUCE, strategy, use_reduce_avg=avg)
         keep.append(buffers)
         label = (f"ALL_REDUCE{' (use_reduce_avg: 1/n per segment)' if avg else ''} "
@@ -114,7 +117,7 @@ def measure_allreduce_steps(b: Bench) -> None:
     # the half-precision step of the fastest strategy beside an fp32 run: half the bytes move
     half_key = None
     if np.dtype(b.params()[0].data.dtype) == np.float32:
-        hs = "shm" if "shm" in b.s.strategies else AUTO_STRATEGY
+        hs = "shm" if "shm" in b.s.strategies else b.auto
         half = build_buffers(make_params(b.s.preset, HALF_DTYPE, seed=b.rank, fill=False),
                              HookAction.ALL_REDUCE, b.s.group_bytes, b.comm, hs)
         keep.append(half)
@@ -274,7 +277,7 @@ def measure_group_sweep(b: Bench) -> None:
     nbytes = b.res["meta"]["grad_bytes"]
     rows = []
     for g in b.s.group_sweep or auto_group_sweep(nbytes):
-        buffers = b.buffers(HookAction.ALL_REDUCE, AUTO_STRATEGY, group_bytes=int(g * MiB))
+        buffers = b.buffers(HookAction.ALL_REDUCE, b.auto, group_bytes=int(g * MiB))
         r = timeit(lambda bufs=buffers: full_step(bufs, False), b.comm, b.s.iters, b.s.warmup)
         rows.append({"label": f"{g:g}", "group_mib": g, "buffers": len(buffers),
                      "median_s": r["median_s"],
@@ -292,7 +295,7 @@ def measure_overlap_and_add_grad(b: Bench) -> None:
         for mode in ("device", "cpu"):
             b.res["overlap"][f"{strategy}/{mode}"] = overlap(buffers, b.comm, b.s.iters,
                                                              b.s.warmup, mode)
-        if strategy == AUTO_STRATEGY or "add_grad" not in b.res:
+        if strategy == b.auto or "add_grad" not in b.res:
             b.res["add_grad"] = add_grad_cost(buffers, b.comm, max(b.s.iters, 5))
         del buffers
 
@@ -300,7 +303,7 @@ def measure_overlap_and_add_grad(b: Bench) -> None:
 def measure_memory(b: Bench) -> None:
     """Peak memory during steps, fresh params, one action at a time."""
     b.res["memory"] = {a.name: peak_memory(b.s.preset, b.s.dtype, a, b.s.group_bytes, b.comm,
-                                           AUTO_STRATEGY) for a in HookAction}
+                                           b.auto) for a in HookAction}
     b.res["memory"]["ru_maxrss_kB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
@@ -309,8 +312,8 @@ def measure_order(b: Bench) -> None:
     before each collective against no check, on the full step and per small collective, and
     the negotiated order's rounds against the verified strict order."""
     b.say("# cost of the order check and of the negotiated order ...")
-    verified = b.buffers(HookAction.ALL_REDUCE, AUTO_STRATEGY)
-    plain = b.buffers(HookAction.ALL_REDUCE, AUTO_STRATEGY, verify_order=False)
+    verified = b.buffers(HookAction.ALL_REDUCE, b.auto)
+    plain = b.buffers(HookAction.ALL_REDUCE, b.auto, verify_order=False)
     # A B A in each round: the first run of a round is often slower (cache, other load)
     steps = timeit_many({"verified": lambda: full_step(verified, False),
                          "unverified": lambda: full_step(plain, False),
@@ -320,7 +323,7 @@ def measure_order(b: Bench) -> None:
                                          steps["verified, again"]["times_s"])]
     steps["verified"] = {"median_s": statistics.median(both), "times_s": both}
     del plain
-    negotiated = b.buffers(HookAction.ALL_REDUCE, AUTO_STRATEGY, order="negotiated")
+    negotiated = b.buffers(HookAction.ALL_REDUCE, b.auto, order="negotiated")
     steps.update({("negotiated" if k == "n" else "verified (again)"): v for k, v in timeit_many(
         {"n": lambda: full_step(negotiated, False), "v": lambda: full_step(verified, False)},
         b.comm, b.s.iters, b.s.warmup).items()})
@@ -334,7 +337,7 @@ def measure_order(b: Bench) -> None:
     del verified, negotiated
     for nbytes in (4 << 10, 256 << 10):  # one small collective: the check's own latency
         x = np.ones(nbytes // 4, np.float32)
-        comms = {v: Communicator(b.world, CommOptions(strategy=AUTO_STRATEGY, verify_order=v))
+        comms = {v: Communicator(b.world, CommOptions(strategy=b.auto, verify_order=v))
                  for v in (True, False)}
         reps = 50
         r = timeit_many({v: (lambda c=c: [c.allreduce(x).wait() for _ in range(reps)])

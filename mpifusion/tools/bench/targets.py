@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from ..timing import best_per_round, round_ratio
-from .workload import AUTO_STRATEGY, MiB
+from .workload import MiB
 
 #: grads at least this large make a sync bandwidth-bound: the speed targets are set for them
 BANDWIDTH_BOUND_BYTES = 64 * MiB
@@ -38,7 +38,8 @@ def targets(res: dict) -> List[Target]:
     """The speed and memory targets, each marked whether it applies to this model: the
     ratios against raw MPI, gloo and the overlap are set for bandwidth-bound syncs."""
     steps, raw = res["steps"], res["raw"]
-    default = f"ALL_REDUCE [{AUTO_STRATEGY}]"
+    auto = res["meta"]["default_strategy"]
+    default = f"ALL_REDUCE [{auto}]"
     step = steps[default] if default in steps \
         else next(v for k, v in steps.items() if k.startswith("ALL_REDUCE ["))
     big = res["meta"]["grad_bytes"] >= BANDWIDTH_BOUND_BYTES
@@ -52,7 +53,7 @@ def targets(res: dict) -> List[Target]:
     ]
     for label, prefix in (("REDUCE", "REDUCE raw"),
                           ("REDUCE_SCATTER + sync_params", "REDUCE_SCATTER raw")):
-        mine = steps.get(f"{label} [{AUTO_STRATEGY}]")
+        mine = steps.get(f"{label} [{auto}]")
         floors = [raw[k] for k in raw if k.startswith(prefix)]
         if mine and floors:  # per round: the best raw way of that round, with the same 1/n
             out.append(Target(f"{label} step / best raw {label.split()[0]} + the same 1/n",
@@ -61,7 +62,7 @@ def targets(res: dict) -> List[Target]:
     if gloo_key:
         out.append(Target("torch gloo all_reduce / ALL_REDUCE step",
                           round_ratio(raw[gloo_key], step), ">= 4", big))
-    ov = res["overlap"].get(f"{AUTO_STRATEGY}/device")
+    ov = res["overlap"].get(f"{auto}/device")
     if ov:
         out.append(Target("overlap with emulated (device) compute, %", ov["overlap_pct"],
                           ">= 80", big))

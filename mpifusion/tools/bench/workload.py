@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ...comm.communicator import resolve_strategy
+from ...comm.shm import node_layout
 from ...config import DEFAULT_WINDOW, THREADED_STRATEGIES, CommOptions
 from ...dtypes import as_dtype
 from ...machine import segment_for
@@ -22,8 +23,11 @@ from ...runtime.param import Param
 
 MiB = 1 << 20
 
-#: the strategy a default run resolves to on this MPI (auto: thread at THREAD_MULTIPLE)
-AUTO_STRATEGY = resolve_strategy("auto")[0]
+def auto_strategy(comm: MPI.Comm) -> str:
+    """The strategy a default buffer on ``comm`` resolves to (``auto``: shm where the ranks
+    share a node; collective)."""
+    _, _, per, uneven = node_layout(comm, None, None)
+    return resolve_strategy("auto", comm.Get_size(), per, uneven)[0]
 
 #: the dtype of the half-precision step measured beside an fp32 run (issue 29's target)
 HALF_DTYPE = "bfloat16"
