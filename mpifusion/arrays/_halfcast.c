@@ -336,6 +336,145 @@ static PyObject *py_narrow_bf16(PyObject *self, PyObject *args)
     return run(args, (kernel_fn)narrow_bf16, 4, 2);
 }
 
+/* The shm reduction of half-precision buffers (shm_collectives._sum_into) in one pass per
+ * SUM_GROUP sources: per block of SUM_BLOCK elements, widen the first source with the kernel
+ * above, add every other source widened, in the order given (fp32 additions as numpy's
+ * np.add makes them: IEEE binary32, under the same rounding mode and MXCSR flags), multiply
+ * by ``scale`` (fp32) unless it is 1, round with the kernel above and store the result in
+ * every destination: bit for bit halfcast.widen, np.add, np.multiply and halfcast.narrow,
+ * with the block in L1 instead of four passes over a chunk. More sources take one pass per
+ * group, keeping the sum in ``acc`` (fp32, n elements): a few streams per pass keep the
+ * hardware prefetchers ahead (eight sources in one pass ran 1.4x slower than numpy's pass per
+ * source). Sources and destinations may be the same memory (a rank's own buffer is both): a
+ * block is read in full before any of it is written, at the same offsets. A block whose
+ * result has a NaN stops the last pass before it is written: the caller finishes from there
+ * with the reference casts (NaN payloads). Returns the number of elements done. */
+#define SUM_BLOCK 1024
+#define SUM_GROUP 4
+#define SUM_MAX 64
+
+HC_CLONES static void
+add_into(float *restrict a, const float *restrict b, int m)
+{
+    for (int i = 0; i < m; i++)
+        a[i] = a[i] + b[i];
+}
+
+HC_CLONES static void
+scale_by(float *a, float s, int m)
+{
+    for (int i = 0; i < m; i++)
+        a[i] = a[i] * s;
+}
+
+static Py_ssize_t
+sum_half(kernel_fn widen, kernel_fn narrow, const uint16_t *const *src, Py_ssize_t nsrc,
+         uint16_t *const *dst, Py_ssize_t ndst, float scale, int scaled, float *acc,
+         Py_ssize_t n)
+{
+    float local[SUM_BLOCK], wide[SUM_BLOCK];
+    uint16_t out[SUM_BLOCK];
+    for (Py_ssize_t g0 = 0; g0 < nsrc; g0 += SUM_GROUP) {
+        Py_ssize_t g1 = g0 + SUM_GROUP < nsrc ? g0 + SUM_GROUP : nsrc;
+        int first = g0 == 0, last = g1 == nsrc;
+        for (Py_ssize_t lo = 0; lo < n; lo += SUM_BLOCK) {
+            int m = (int)(n - lo < SUM_BLOCK ? n - lo : SUM_BLOCK);
+            float *a = (first && last) ? local : acc + lo;
+            Py_ssize_t k = g0;
+            if (first) {
+                widen(src[0] + lo, a, m);   /* NaN counts: a NaN reaches the result */
+                k = 1;
+            }
+            for (; k < g1; k++) {
+                widen(src[k] + lo, wide, m);
+                add_into(a, wide, m);
+            }
+            if (!last)
+                continue;
+            if (scaled)
+                scale_by(a, scale, m);
+            if (narrow(a, out, m))
+                return lo;
+            for (Py_ssize_t d = 0; d < ndst; d++)
+                memcpy(dst[d] + lo, out, (size_t)m * 2);
+        }
+    }
+    return n;
+}
+
+/* sum_bf16 / sum_f16(sources, dests, scale or None, acc) -> elements done (see sum_half):
+ * sources and dests are tuples of uint16 buffers of n elements, acc a float32 buffer of n */
+static PyObject *
+sum_call(PyObject *args, int bf16)
+{
+    PyObject *srcs, *dsts, *scale_obj, *acc_obj;
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &srcs, &PyTuple_Type, &dsts,
+                          &scale_obj, &acc_obj))
+        return NULL;
+    Py_ssize_t ns = PyTuple_GET_SIZE(srcs), nd = PyTuple_GET_SIZE(dsts);
+    if (ns < 1 || ns > SUM_MAX || nd > SUM_MAX) {
+        PyErr_SetString(PyExc_ValueError, "halfcast sum: 1-64 sources and at most 64 dests");
+        return NULL;
+    }
+    float scale = 1.0f;
+    int scaled = scale_obj != Py_None;
+    if (scaled) {
+        double d = PyFloat_AsDouble(scale_obj);
+        if (d == -1.0 && PyErr_Occurred())
+            return NULL;
+        scale = (float)d;
+        scaled = scale != 1.0f;   /* x * 1 == x: the reference skips the pass too */
+    }
+    kernel_fn widen = (kernel_fn)widen_bf16, narrow = (kernel_fn)narrow_bf16;
+    if (!bf16) {
+        widen = (kernel_fn)widen_f16;
+        narrow = (kernel_fn)narrow_f16;
+    }
+#ifdef HC_F16C
+    if (bf16 && cpu_usable())
+        narrow = (kernel_fn)narrow_bf16_hw;
+    if (!bf16 && f16c_usable()) {
+        widen = (kernel_fn)widen_f16_hw;
+        narrow = (kernel_fn)narrow_f16_hw;
+    }
+#endif
+    Py_buffer views[2 * SUM_MAX + 1];
+    const uint16_t *sp[SUM_MAX];
+    uint16_t *dp[SUM_MAX];
+    Py_ssize_t got = 0, len = -1, total = ns + nd + 1;
+    PyObject *res = NULL;
+    for (Py_ssize_t k = 0; k < total; k++) {
+        PyObject *obj = k < ns ? PyTuple_GET_ITEM(srcs, k)
+                      : k < ns + nd ? PyTuple_GET_ITEM(dsts, k - ns) : acc_obj;
+        int flags = k < ns ? PyBUF_C_CONTIGUOUS : (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE);
+        if (PyObject_GetBuffer(obj, &views[k], flags) < 0)
+            goto done;
+        got++;
+        if (len < 0)
+            len = views[k].len;
+        if (k < total - 1 ? views[k].len != len || len % 2 : views[k].len < 2 * len) {
+            PyErr_SetString(PyExc_ValueError, "halfcast sum: buffers of different sizes");
+            goto done;
+        }
+        if (k < ns)
+            sp[k] = (const uint16_t *)views[k].buf;
+        else if (k < ns + nd)
+            dp[k - ns] = (uint16_t *)views[k].buf;
+    }
+    Py_ssize_t done_n;
+    float *acc = (float *)views[total - 1].buf;
+    Py_BEGIN_ALLOW_THREADS
+    done_n = sum_half(widen, narrow, sp, ns, dp, nd, scale, scaled, acc, len / 2);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromSsize_t(done_n);
+done:
+    for (Py_ssize_t k = 0; k < got; k++)
+        PyBuffer_Release(&views[k]);
+    return res;
+}
+static PyObject *py_sum_bf16(PyObject *self, PyObject *args) { return sum_call(args, 1); }
+static PyObject *py_sum_f16(PyObject *self, PyObject *args) { return sum_call(args, 0); }
+
 static PyMethodDef methods[] = {
     {"widen_f16", py_widen_f16, METH_VARARGS, "widen_f16(src_u16, dst_u32) -> NaN count"},
     {"narrow_f16", py_narrow_f16, METH_VARARGS, "narrow_f16(src_u32, dst_u16) -> NaN count"},
@@ -344,6 +483,10 @@ static PyMethodDef methods[] = {
     {"widen_f16_int", py_widen_f16_int, METH_VARARGS, "widen_f16 without F16C"},
     {"narrow_f16_int", py_narrow_f16_int, METH_VARARGS, "narrow_f16 without F16C"},
     {"narrow_bf16_int", py_narrow_bf16_int, METH_VARARGS, "narrow_bf16, portable loop"},
+    {"sum_bf16", py_sum_bf16, METH_VARARGS,
+     "sum_bf16(sources_u16, dests_u16, scale, acc_f32) -> elements done (a NaN stops it)"},
+    {"sum_f16", py_sum_f16, METH_VARARGS,
+     "sum_f16(sources_u16, dests_u16, scale, acc_f32) -> elements done (a NaN stops it)"},
     {"f16_path", py_f16_path, METH_NOARGS, "'f16c' or 'integer': the fp16 path used now"},
     {NULL, NULL, 0, NULL},
 };

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -165,4 +165,26 @@ def narrow(src: Any, out: Any) -> Any:
     return out
 
 
-__all__ = ["widen", "narrow", "path"]
+def sum_half(sources: Sequence[Any], dests: Sequence[Any], scale: Optional[float],
+             acc: Any) -> int:
+    """``dests[:] = half(fp32(scale) * sum(widen(sources)))`` for fp16 or bf16 arrays (all
+    of one dtype), one pass per few sources (the shm reduction of a chunk), bit for bit what
+    :func:`widen`, ``np.add`` in the order of ``sources``, ``np.multiply`` by
+    ``np.float32(scale)`` (skipped for None or 1) and :func:`narrow` give. ``acc``: fp32
+    scratch of the same length. Returns how many leading elements were done: all of them,
+    or fewer where a result is NaN (the caller finishes from there with the casts above,
+    which decide NaN payloads), or 0 where the compiled kernel does not run here."""
+    if not (_enabled() and all(_contiguous(a) for a in (*sources, *dests, acc))):
+        return 0
+    kernel = _kernels.sum_f16 if sources[0].dtype == float16 else _kernels.sum_bf16
+    factor = None if scale is None else float(np.float32(scale))
+    return int(kernel(tuple(s.reshape(-1).view(_u16) for s in sources),
+                      tuple(d.reshape(-1).view(_u16) for d in dests), factor,
+                      acc.reshape(-1).view(_u32)))
+
+
+def _contiguous(arr: Any) -> bool:
+    return type(arr) is np.ndarray and arr.flags.c_contiguous
+
+
+__all__ = ["widen", "narrow", "path", "sum_half"]

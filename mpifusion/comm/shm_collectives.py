@@ -146,11 +146,20 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
     # this rank alone touches its slice there until the closing barrier
     direct = (not half and cross is None and len(sources) > 1 and len(dests) > 0
               and (dests[0] is sources[0] or dests[0] is sources[1]))
+    # half in and out: widened, summed, scaled and rounded in one compiled pass per few
+    # sources (halfcast.sum_half: the same bits), unless a NaN or no kernel stops it
+    fused = (half and cross is None and len(dests) > 0
+             and all(d.dtype == dtype for d in dests))
     step = min(chunk, hi - lo)
     acc_all = None if direct else stream.work(0, step, float32 if half else dtype)
     tmp_all = stream.work(1, step, float32) if half else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
+        if fused:
+            a += halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
+                                   scale, acc_all[:b - a])
+            if a == b:
+                continue
         acc = dests[0][a:b] if direct else acc_all[:b - a]
         if half:
             halfcast.widen(sources[0][a:b], acc)

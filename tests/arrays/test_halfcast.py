@@ -395,3 +395,79 @@ def test_half_holds_fp16_and_bf16_only():
     for other in (np.float32, np.float64, np.int16, np.uint16, "fp32"):
         assert other not in HALF, other
     assert list(HALF) == [np.dtype(np.float16), np.dtype(bfloat16)]
+
+
+def ref_sum(sources, scale):
+    """The shm reduction of half chunks as numpy (and ml_dtypes) spell it: widened, added in
+    the order given in fp32, scaled by fp32(scale) unless None or 1, rounded once."""
+    acc = sources[0].astype(float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for src in sources[1:]:
+            acc = acc + src.astype(float32)
+        if scale is not None and float(scale) != 1.0:
+            acc = acc * np.float32(scale)
+        return ref_narrow(acc, sources[0].dtype)
+
+
+def half_edges(dt, n, rng):
+    """``n`` values of ``dt``: random bit patterns of every class but NaN, the largest
+    finite values (their sums overflow to inf), infinities, zeros of both signs, subnormals
+    and values whose sums round at a tie."""
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    vals = bits.view(dt).copy()
+    vals[np.isnan(vals)] = 2.0
+    big = 65504.0 if dt == float16 else 3.3895e38
+    tiny = 6e-8 if dt == float16 else 1e-40
+    step = 2.0 ** -10 if dt == float16 else 2.0 ** -7
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, big, -big, tiny, -tiny, 1.0, 1 + step,
+                         1 + step / 2], np.float32).astype(dt)
+    at = np.arange(0, n, 7)[: len(specials)]
+    vals[at] = specials[: len(at)]
+    return vals
+
+
+@pytest.mark.skipif(K is None, reason="needs the compiled kernel")
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("scale", [None, 1.0, 0.5, 1 / 3, 0.125])
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 20011])
+def test_sum_half_is_the_reference_bit_for_bit(dt, nsrc, scale, n):
+    rng = np.random.default_rng(nsrc * 1000 + n)
+    sources = [half_edges(dt, n, rng) for _ in range(nsrc)]
+    want = ref_sum(sources, scale)
+    dests = [np.full(n, 7, dt) for _ in range(3)]
+    acc = np.empty(n, float32)
+    assert halfcast.sum_half(sources, dests, scale, acc) == n
+    for d in dests:
+        np.testing.assert_array_equal(d.view(np.uint16), want.view(np.uint16))
+    # a rank's own buffer is a source and a dest at once: read before written
+    own = [s.copy() for s in sources]
+    assert halfcast.sum_half(own, [own[0], dests[0]], scale, acc) == n
+    np.testing.assert_array_equal(own[0].view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.skipif(K is None, reason="needs the compiled kernel")
+@pytest.mark.parametrize("dt", HALVES)
+def test_sum_half_stops_before_the_block_of_a_nan(dt):
+    """A NaN result (a NaN input, or inf - inf) stops the kernel before its block is
+    written: what it did is the reference, the rest is left as it was for the caller."""
+    n, block = 5000, 1024
+    rng = np.random.default_rng(5)
+    sources = [half_edges(dt, n, rng) for _ in range(2)]
+    sources[0][2100], sources[1][2100] = np.inf, -np.inf  # inf + -inf: NaN in block 2
+    want = ref_sum(sources, 0.5)
+    dest = np.full(n, 7, dt)
+    done = halfcast.sum_half(sources, [dest], 0.5, np.empty(n, float32))
+    assert done == 2 * block
+    np.testing.assert_array_equal(dest[:done].view(np.uint16), want[:done].view(np.uint16))
+    assert (dest[done:] == 7).all()
+    sources[0][2100] = np.nan  # a NaN input: the same
+    assert halfcast.sum_half(sources, [dest], 0.5, np.empty(n, float32)) == 2 * block
+
+
+def test_sum_half_without_the_kernel_does_nothing(monkeypatch):
+    monkeypatch.setenv("MPIFUSION_HALFCAST", "numpy")
+    src = [np.ones(10, bfloat16)] * 2
+    dest = np.zeros(10, bfloat16)
+    assert halfcast.sum_half(src, [dest], None, np.empty(10, float32)) == 0
+    assert not dest.any()
