@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpifusion.arrays import halfcast
 from mpifusion.config import HALFCAST_ENV, CommOptions
 from mpifusion.runtime.buffer import HookAction
-from mpifusion.tools.bench.workload import build_buffers, full_step, make_params
+from mpifusion.tools.bench.workload import auto_strategy, build_buffers, full_step, make_params
 from mpifusion.tools.timing import timeit_many
 
 
@@ -29,13 +29,15 @@ def main() -> None:
     ap.add_argument("--group-mb", type=float, default=256.0)
     ap.add_argument("--act", default="ALL_REDUCE", choices=[a.name for a in HookAction])
     ap.add_argument("--no-numpy", action="store_true", help="skip the plain-cast rows")
+    ap.add_argument("--strategy", default=None, help="default: $MPIFUSION_COMM_STRATEGY, "
+                    "else what a default buffer takes here")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     act = HookAction[args.act]
-    strategy = CommOptions.from_env().strategy
-    strategy = strategy if strategy != "auto" else (
-        "thread" if MPI.Query_thread() >= MPI.THREAD_MULTIPLE else "nonblocking")
+    strategy = args.strategy or CommOptions.from_env().strategy
+    if strategy == "auto":
+        strategy = auto_strategy(comm)  # what a default buffer takes here (shm on one node)
     group = int(args.group_mb * (1 << 20))
     bufs = {dt: build_buffers(make_params(args.preset, dt, rank, fill=False), act, group,
                               comm, strategy) for dt in ("fp32", "bf16", "fp16")}
