@@ -249,7 +249,11 @@ class SharedWindow:
         self.segments = [np.frombuffer(self.win.Shared_query(r)[0], dtype=np.uint8)
                          for r in range(comm.Get_size())]
         self.mine = self.segments[comm.Get_rank()]
-        self.mine[...] = 0  # the owner touches its pages first (and zero is what zeros() gives)
+        # zero, as BufferMemory expects of a fresh region: a buffer's pages given back (no
+        # memory until first touched, as np.zeros gives them; the owner's add_grad or param
+        # copy touches them first), the small control window written
+        if internal or not punch(self.mine):
+            self.mine[...] = 0
         self.base = self.mine.ctypes.data
 
     def sync(self) -> None:

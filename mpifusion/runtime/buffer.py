@@ -51,9 +51,9 @@ from .options import (BufferOptions, check_buffer_id, check_comm_group, check_sw
                       dst_group_rank)
 from .param import Param
 from .sharded import ShardedParams
-from .storage import (BufferMemory, build_reduce_scatter_buffer, check_has_data,
-                      check_trainable, device_template, flatten_dense_tensors, grad_of,
-                      plan_or_raise, set_grad, world_rank)
+from .storage import (BufferMemory, buffer_dropped, build_reduce_scatter_buffer,
+                      check_has_data, check_trainable, device_template,
+                      flatten_dense_tensors, grad_of, plan_or_raise, set_grad, world_rank)
 
 logger = logging.getLogger("mpifusion")
 
@@ -361,6 +361,19 @@ class FusedCommBuffer(ShardedParams, GradIntake):
             self._closed = True
             if self._comm is not None:
                 self._comm.close()
+
+    def __del__(self) -> None:
+        # with shm, the window outlives the buffer (freeing it is collective): give its
+        # regions' pages back, once this buffer's own arrays of them are gone, unless a user
+        # keeps some (params' data, a grad)
+        memory = self.__dict__.get("_memory")
+        if memory is None or not any(r is not None for r in memory.regions.values()):
+            return
+        self.__dict__.clear()
+        try:
+            buffer_dropped(memory)
+        except Exception:  # interpreter shutdown: nothing to give back to
+            pass
 
     def __enter__(self) -> "FusedCommBuffer":
         return self

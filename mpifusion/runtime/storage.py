@@ -6,8 +6,10 @@ param's data and grad become views of its slot, so frameworks write straight int
 """
 from __future__ import annotations
 
+import gc
 import sys
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, List, Optional, Sequence
 
 from mpi4py import MPI
 
@@ -98,37 +100,72 @@ _UNUSED_REFS = _unused_probe()
 class BufferMemory:
     """Where a buffer's flat storage comes from: fresh arrays (``backend.zeros``), or, with
     the ``shm`` strategy, the regions of a shared window the communicator reserved at
-    construction (``Communicator.reserve``), handed out zeroed on every (re)allocation. The
-    window stays mapped for the buffer's lifetime (freeing it is collective), but
-    ``release_grads``, ``clear_grad_storage`` and ``clear_param_storage`` give a region's
-    pages back (:meth:`release`), so they save memory with ``shm`` too."""
+    construction (``Communicator.reserve``: zero, and untouched where the system allows),
+    handed out zeroed on every (re)allocation. The window stays mapped for the buffer's
+    lifetime (freeing it is collective), but ``release_grads``, ``clear_grad_storage``,
+    ``clear_param_storage`` and dropping the buffer (``FusedCommBuffer.__del__``) give a
+    region's pages back (:meth:`release`), so the memory behaves as with fresh arrays."""
 
     def __init__(self, param: Any = None, grad: Any = None) -> None:
         self.regions = {"param": param, "grad": grad}
-        #: regions whose pages were given back: they read as zeros already
-        self.punched = {"param": False, "grad": False}
+        #: regions that read as zeros already (fresh, or their pages given back)
+        self.zeroed = {"param": param is not None, "grad": grad is not None}
 
     def zeros(self, which: str, numel: int, dtype: Any, like: Any) -> Any:
         """``numel`` zeros of ``dtype`` for the ``which`` ("param"/"grad") storage."""
         region = self.regions[which]
         if region is None or region.size != numel or region.dtype != dtype:
             return backend.zeros(numel, dtype, like)
-        if not self.punched[which]:
+        if not self.zeroed[which]:
             region[...] = 0
-        self.punched[which] = False
+        self.zeroed[which] = False
         return region
 
     def release(self, which: str) -> bool:
         """The buffer dropped its ``which`` storage: give the region's pages back, unless
         an array of it is still alive (a grad or param the user kept: it keeps its values,
         as a dropped fresh array would, until the next allocation zeroes the region). True
-        where the pages went back."""
-        if self.regions[which] is None or self.punched[which]:
-            return False
+        where the region is unused now (its pages went back where the system allows: a
+        window in private memory keeps them), False while an array of it is alive."""
+        if self.regions[which] is None or self.zeroed[which]:
+            return True
         if sys.getrefcount(self.regions[which]) > _UNUSED_REFS:
             return False
-        self.punched[which] = punch(self.regions[which])
-        return self.punched[which]
+        self.zeroed[which] = punch(self.regions[which])
+        return True
+
+    def release_all(self) -> bool:
+        """:meth:`release` both regions; True where neither is in use any more."""
+        grad, param = self.release("grad"), self.release("param")
+        return grad and param
+
+
+#: memories of dropped buffers whose regions were still referenced when the buffer went
+#: (objects of the same garbage cycle live until the collector frees them, or a user keeps
+#: an array): tried again after each garbage collection
+_DROPPED: List[BufferMemory] = []
+_DROPPED_LOCK = threading.Lock()
+
+
+def _retry_dropped(phase: str, info: dict) -> None:
+    if phase != "stop" or not _DROPPED or sys.is_finalizing():
+        return
+    try:
+        with _DROPPED_LOCK:
+            _DROPPED[:] = [m for m in _DROPPED if not m.release_all()]
+    except Exception:  # interpreter shutdown under way: nothing to give back to
+        pass
+
+
+def buffer_dropped(memory: BufferMemory) -> None:
+    """A buffer is being finalised: give its regions' pages back now, or after the garbage
+    collection that frees its last arrays (never while a user keeps one)."""
+    if memory.release_all():
+        return
+    with _DROPPED_LOCK:
+        if _retry_dropped not in gc.callbacks:
+            gc.callbacks.append(_retry_dropped)
+        _DROPPED.append(memory)
 
 
 #: fresh arrays for every allocation (no reserved regions)

@@ -235,7 +235,28 @@ def test_released_storage_gives_its_pages_back(comm):
     assert dropped >= buf.buffer_size * 4, f"rank {rank}: {dropped} bytes of params went back"
     buf.reset_param_storage()
     assert not buf.param_storage.any()
-    buf.close()
+    buf.param_storage[...] = 1.0  # touched: its pages are memory again
+    before = shared_rss(comm)
+    del buf, params, kept, p, g
+    gc.collect()
+    dropped = before - shared_rss(comm)
+    assert dropped >= grad_bytes, f"rank {rank}: {dropped} bytes went back with the buffer"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+@pytest.mark.mpi(min_size=2)
+def test_a_new_buffer_costs_no_memory_until_its_grads_are_written(comm):
+    """Fresh window regions read as zeros without being touched, as np.zeros' pages do: a
+    buffer's grads take memory when add_grad writes them, not at construction."""
+    shapes = [(1 << 19,)]  # 2 MiB of fp32 grads
+    before = shared_rss(comm)
+    buf, params = make(comm, HookAction.ALL_REDUCE, float32, 4, shapes=shapes)
+    grown = shared_rss(comm) - before
+    assert buf.comm.in_shared_window(buf.grad_storage) and not buf.grad_storage.any()
+    assert grown < buf.grad_storage.nbytes // 2, f"{grown} bytes at construction"
+    buf.add_grad(params[0], grad=np.ones(shapes[0], np.float32))
+    buf.scale_grads()
+    assert shared_rss(comm) - before >= buf.grad_storage.nbytes
 
 
 # ------------------------------------------------------------------ arrays outside the windows
