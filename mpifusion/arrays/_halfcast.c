@@ -402,6 +402,89 @@ sum_half(kernel_fn widen, kernel_fn narrow, const uint16_t *const *src, Py_ssize
     return n;
 }
 
+#ifdef HC_F16C
+/* bf16 with AVX2 and at most SUM_GROUP sources: the steps of sum_half for 16 lanes at a time
+ * in registers (widen, add in order, scale, round, store every destination), with no pass
+ * over a block: 0.29 ns per element against 0.49 for sum_half's five passes (2 sources,
+ * 256K elements). The lanes past the last 16 go through sum_half. Stops before 16 lanes
+ * whose result has a NaN, as sum_half stops before a block. */
+__attribute__((target("avx2"))) static inline __m256
+widen_bf16_8(const uint16_t *p)
+{
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+__attribute__((target("avx2"))) static Py_ssize_t
+sum_bf16_hw(const uint16_t *const *src, Py_ssize_t nsrc, uint16_t *const *dst,
+            Py_ssize_t ndst, float scale, int scaled, float *acc, Py_ssize_t n)
+{
+    const __m256 sc = _mm256_set1_ps(scale);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 lo = widen_bf16_8(src[0] + i), hi = widen_bf16_8(src[0] + i + 8);
+        for (Py_ssize_t k = 1; k < nsrc; k++) {
+            lo = _mm256_add_ps(lo, widen_bf16_8(src[k] + i));
+            hi = _mm256_add_ps(hi, widen_bf16_8(src[k] + i + 8));
+        }
+        if (scaled) {
+            lo = _mm256_mul_ps(lo, sc);
+            hi = _mm256_mul_ps(hi, sc);
+        }
+        __m256i nan = _mm256_setzero_si256();
+        __m256i rlo = round_bf16_8(_mm256_castps_si256(lo), &nan);
+        __m256i rhi = round_bf16_8(_mm256_castps_si256(hi), &nan);
+        if (!_mm256_testz_si256(nan, nan))
+            return i;
+        __m256i r = _mm256_permute4x64_epi64(_mm256_packus_epi32(rlo, rhi), 0xd8);
+        for (Py_ssize_t d = 0; d < ndst; d++)
+            _mm256_storeu_si256((__m256i *)(dst[d] + i), r);
+    }
+    if (i == n)
+        return n;
+    const uint16_t *s_tail[SUM_MAX];
+    uint16_t *d_tail[SUM_MAX];
+    for (Py_ssize_t k = 0; k < nsrc; k++)
+        s_tail[k] = src[k] + i;
+    for (Py_ssize_t d = 0; d < ndst; d++)
+        d_tail[d] = dst[d] + i;
+    return i + sum_half((kernel_fn)widen_bf16, (kernel_fn)narrow_bf16_hw, s_tail, nsrc, d_tail,
+                        ndst, scale, scaled, acc + i, n - i);
+}
+
+/* fp16 the same way with F16C (only while MXCSR's FTZ/DAZ are off, as widen/narrow_f16_hw):
+ * 8 lanes at a time, rounded by the instruction to nearest even */
+__attribute__((target("avx2,f16c"))) static Py_ssize_t
+sum_f16_hw(const uint16_t *const *src, Py_ssize_t nsrc, uint16_t *const *dst,
+           Py_ssize_t ndst, float scale, int scaled, float *acc, Py_ssize_t n)
+{
+    const __m256 sc = _mm256_set1_ps(scale);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src[0] + i)));
+        for (Py_ssize_t k = 1; k < nsrc; k++)
+            x = _mm256_add_ps(x, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src[k] + i))));
+        if (scaled)
+            x = _mm256_mul_ps(x, sc);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)))
+            return i;
+        __m128i r = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        for (Py_ssize_t d = 0; d < ndst; d++)
+            _mm_storeu_si128((__m128i *)(dst[d] + i), r);
+    }
+    if (i == n)
+        return n;
+    const uint16_t *s_tail[SUM_MAX];
+    uint16_t *d_tail[SUM_MAX];
+    for (Py_ssize_t k = 0; k < nsrc; k++)
+        s_tail[k] = src[k] + i;
+    for (Py_ssize_t d = 0; d < ndst; d++)
+        d_tail[d] = dst[d] + i;
+    return i + sum_half((kernel_fn)widen_f16_hw, (kernel_fn)narrow_f16_hw, s_tail, nsrc, d_tail,
+                        ndst, scale, scaled, acc + i, n - i);
+}
+#endif
+
 /* sum_bf16 / sum_f16(sources, dests, scale or None, acc) -> elements done (see sum_half):
  * sources and dests are tuples of uint16 buffers of n elements, acc a float32 buffer of n */
 static PyObject *
@@ -463,8 +546,20 @@ sum_call(PyObject *args, int bf16)
     }
     Py_ssize_t done_n;
     float *acc = (float *)views[total - 1].buf;
+    int fused = 0;   /* 1: sum_bf16_hw, 2: sum_f16_hw */
+#ifdef HC_F16C
+    if (ns <= SUM_GROUP)
+        fused = bf16 ? cpu_usable() : 2 * f16c_usable();
+#endif
     Py_BEGIN_ALLOW_THREADS
-    done_n = sum_half(widen, narrow, sp, ns, dp, nd, scale, scaled, acc, len / 2);
+#ifdef HC_F16C
+    if (fused == 1)
+        done_n = sum_bf16_hw(sp, ns, dp, nd, scale, scaled, acc, len / 2);
+    else if (fused == 2)
+        done_n = sum_f16_hw(sp, ns, dp, nd, scale, scaled, acc, len / 2);
+    else
+#endif
+        done_n = sum_half(widen, narrow, sp, ns, dp, nd, scale, scaled, acc, len / 2);
     Py_END_ALLOW_THREADS
     res = PyLong_FromSsize_t(done_n);
 done:
