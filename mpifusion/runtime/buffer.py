@@ -180,8 +180,6 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self.layout = (plan_or_raise(plan_sharded, self._params, nranks, rank=rank) if sharded
                        else plan_or_raise(plan_flat, self._params, rank=rank))
         self._memory = self._reserve_memory(sharded or opts.fuse_param)
-        if opts.release_grads:  # no grads until the first add_grad: give the pages back
-            self._memory.release("grad")
         if sharded:
             (self._sharding_param_grad_view, self.buffer_size, self.param_storage,
              self.grad_storage, _) = build_reduce_scatter_buffer(

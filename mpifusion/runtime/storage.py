@@ -144,7 +144,8 @@ class BufferMemory:
 #: (objects of the same garbage cycle live until the collector frees them, or a user keeps
 #: an array): tried again after each garbage collection
 _DROPPED: List[BufferMemory] = []
-_DROPPED_LOCK = threading.Lock()
+#: re-entrant: a collection (and so the retry) may start inside ``buffer_dropped``
+_DROPPED_LOCK = threading.RLock()
 
 
 def _retry_dropped(phase: str, info: dict) -> None:
