@@ -470,7 +470,7 @@ sum_f16_hw(const uint16_t *const *src, Py_ssize_t nsrc, uint16_t *const *dst,
 /* sum_bf16 / sum_f16(sources, dests, scale or None, acc) -> elements done (see sum_half):
  * sources and dests are tuples of uint16 buffers of n elements, acc a float32 buffer of n */
 static PyObject *
-sum_call(PyObject *args, int bf16)
+sum_call(PyObject *args, int bf16, int portable)
 {
     PyObject *srcs, *dsts, *scale_obj, *acc_obj;
     if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &srcs, &PyTuple_Type, &dsts,
@@ -496,9 +496,9 @@ sum_call(PyObject *args, int bf16)
         narrow = (kernel_fn)narrow_f16;
     }
 #ifdef HC_F16C
-    if (bf16 && cpu_usable())
+    if (bf16 && !portable && cpu_usable())
         narrow = (kernel_fn)narrow_bf16_hw;
-    if (!bf16 && f16c_usable()) {
+    if (!bf16 && !portable && f16c_usable()) {
         widen = (kernel_fn)widen_f16_hw;
         narrow = (kernel_fn)narrow_f16_hw;
     }
@@ -530,7 +530,7 @@ sum_call(PyObject *args, int bf16)
     float *acc = (float *)views[total - 1].buf;
     int fused = 0;   /* 1: sum_bf16_hw, 2: sum_f16_hw */
 #ifdef HC_F16C
-    if (ns <= SUM_GROUP)
+    if (ns <= SUM_GROUP && !portable)
         fused = bf16 ? cpu_usable() : 2 * f16c_usable();
 #endif
     Py_ssize_t n = len / 2;
@@ -557,8 +557,13 @@ done:
         PyBuffer_Release(&views[k]);
     return res;
 }
-static PyObject *py_sum_bf16(PyObject *self, PyObject *args) { return sum_call(args, 1); }
-static PyObject *py_sum_f16(PyObject *self, PyObject *args) { return sum_call(args, 0); }
+static PyObject *py_sum_bf16(PyObject *self, PyObject *args) { return sum_call(args, 1, 0); }
+static PyObject *py_sum_f16(PyObject *self, PyObject *args) { return sum_call(args, 0, 0); }
+/* sum_half over the portable kernels only, whatever the CPU: so tests cover that path */
+static PyObject *py_sum_bf16_int(PyObject *self, PyObject *args)
+{ return sum_call(args, 1, 1); }
+static PyObject *py_sum_f16_int(PyObject *self, PyObject *args)
+{ return sum_call(args, 0, 1); }
 
 static PyMethodDef methods[] = {
     {"widen_f16", py_widen_f16, METH_VARARGS, "widen_f16(src_u16, dst_u32) -> NaN count"},
@@ -572,6 +577,8 @@ static PyMethodDef methods[] = {
      "sum_bf16(sources_u16, dests_u16, scale, acc_f32) -> elements done (a NaN stops it)"},
     {"sum_f16", py_sum_f16, METH_VARARGS,
      "sum_f16(sources_u16, dests_u16, scale, acc_f32) -> elements done (a NaN stops it)"},
+    {"sum_bf16_int", py_sum_bf16_int, METH_VARARGS, "sum_bf16, portable kernels only"},
+    {"sum_f16_int", py_sum_f16_int, METH_VARARGS, "sum_f16, portable kernels only"},
     {"f16_path", py_f16_path, METH_NOARGS, "'f16c' or 'integer': the fp16 path used now"},
     {NULL, NULL, 0, NULL},
 };

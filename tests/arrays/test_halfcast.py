@@ -426,43 +426,62 @@ def half_edges(dt, n, rng):
     return vals
 
 
+def portable_sum(dt):
+    """The compiled sum over the portable kernels only (what a CPU without AVX2/F16C, or
+    with FTZ/DAZ set, runs), called as halfcast.sum_half calls the kernel."""
+    kernel = K.sum_f16_int if dt == float16 else K.sum_bf16_int
+
+    def run(sources, dests, scale, acc):
+        return kernel(tuple(x.view(np.uint16) for x in sources),
+                      tuple(x.view(np.uint16) for x in dests),
+                      None if scale is None else float(np.float32(scale)), acc.view(np.uint32))
+    return run
+
+
+SUM_PATHS = ["public", "portable"]
+
+
 @pytest.mark.skipif(K is None, reason="needs the compiled kernel")
+@pytest.mark.parametrize("path", SUM_PATHS)
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("scale", [None, 1.0, 0.5, 1 / 3, 0.125])
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 20011])
-def test_sum_half_is_the_reference_bit_for_bit(dt, nsrc, scale, n):
+def test_sum_half_is_the_reference_bit_for_bit(dt, nsrc, scale, n, path):
+    fn = halfcast.sum_half if path == "public" else portable_sum(dt)
     rng = np.random.default_rng(nsrc * 1000 + n)
     sources = [half_edges(dt, n, rng) for _ in range(nsrc)]
     want = ref_sum(sources, scale)
     dests = [np.full(n, 7, dt) for _ in range(3)]
     acc = np.empty(n, float32)
-    assert halfcast.sum_half(sources, dests, scale, acc) == n
+    assert fn(sources, dests, scale, acc) == n
     for d in dests:
         np.testing.assert_array_equal(d.view(np.uint16), want.view(np.uint16))
     # a rank's own buffer is a source and a dest at once: read before written
     own = [s.copy() for s in sources]
-    assert halfcast.sum_half(own, [own[0], dests[0]], scale, acc) == n
+    assert fn(own, [own[0], dests[0]], scale, acc) == n
     np.testing.assert_array_equal(own[0].view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.skipif(K is None, reason="needs the compiled kernel")
+@pytest.mark.parametrize("path", SUM_PATHS)
 @pytest.mark.parametrize("dt", HALVES)
-def test_sum_half_stops_before_the_block_of_a_nan(dt):
+def test_sum_half_stops_before_the_block_of_a_nan(dt, path):
     """A NaN result (a NaN input, or inf - inf) stops the kernel before its block (or its
     16 lanes) is written: what it did is the reference, the rest is left for the caller."""
+    fn = halfcast.sum_half if path == "public" else portable_sum(dt)
     n, block = 5000, 1024
     rng = np.random.default_rng(5)
     sources = [half_edges(dt, n, rng) for _ in range(2)]
     sources[0][2100], sources[1][2100] = np.inf, -np.inf  # inf + -inf: NaN in block 2
     want = ref_sum(sources, 0.5)
     dest = np.full(n, 7, dt)
-    done = halfcast.sum_half(sources, [dest], 0.5, np.empty(n, float32))
+    done = fn(sources, [dest], 0.5, np.empty(n, float32))
     assert done <= 2100 < done + block, done  # the NaN's block (or 16 lanes) left undone
     np.testing.assert_array_equal(dest[:done].view(np.uint16), want[:done].view(np.uint16))
     assert (dest[done:] == 7).all()
     sources[0][2100] = np.nan  # a NaN input: the same
-    assert halfcast.sum_half(sources, [dest], 0.5, np.empty(n, float32)) == done
+    assert fn(sources, [dest], 0.5, np.empty(n, float32)) == done
 
 
 def test_sum_half_without_the_kernel_does_nothing(monkeypatch):
