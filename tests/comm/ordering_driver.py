@@ -318,6 +318,7 @@ def abandon():
             say(f"abandon: refused: {exc}")
     except AbandonedError as exc:
         say(f"abandon: refused: {exc}")
+    say("abandon: done")  # before the barrier: the first rank out ends the job (hydra)
     world.Barrier()
     os._exit(0)  # a collective is still pending: do not finalize
 

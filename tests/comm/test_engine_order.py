@@ -518,7 +518,11 @@ def test_suite_with_deadline(strategy):
 @pytest.mark.parametrize("nranks", (2, 3))
 def test_abandoned_collective_never_pairs(nranks, strategy):
     rc, out = _job(nranks, "abandon", strategy, env={"MPIFUSION_TIMEOUT": "1.5"})
-    assert rc == 0, out[-4000:]  # every rank reaches os._exit(0): nothing hung or crashed
+    # every rank got to the last barrier and the job ended there: nothing hung or crashed
+    # (hydra ends the job at the first exit without MPI_Finalize and may then report 9, the
+    # SIGKILL it sent a rank that was leaving the barrier too)
+    done = set(re.findall(r"rank (\d+): abandon: done", out))
+    assert done == {str(r) for r in range(nranks)} and rc in (0, 9), (rc, out[-4000:])
     assert "WRONG" not in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     # the ranks that timed out gave up and their next step was refused by name
