@@ -13,7 +13,9 @@ Use one backward per micro-step; ``spec()`` counts them.
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import weakref
 from typing import Any, Optional
 
@@ -264,19 +266,36 @@ _RERAISED = ("mpifusion.errors.OracleMismatch", "mpifusion.errors.WeakCheckError
              "mpifusion.capture.core.CaptureError")
 
 
+def _run_rank(index: int, fn: Any, args: tuple) -> None:
+    """One spawned rank: ``fn(index, *args)``; once it returned, the process ends at once
+    (``os._exit(0)``, output flushed). torch's C++ teardown at interpreter exit, after
+    ``destroy_process_group``, aborts a gloo rank now and then under load ("terminate called
+    without an active exception", SIGABRT: 1 in about 50 runs of the docs' patterns on two
+    busy cores), which would fail a test whose rank had finished and saved everything. A
+    rank that raises still exits through torch's own path, which reports the error."""
+    fn(index, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(fn: Any, args: tuple = (), nprocs: int = 1, **kwargs: Any) -> Any:
-    """``torch.multiprocessing.spawn(fn, args, nprocs, ...)``, except that a rank that failed
-    the oracle's check (``OracleMismatch``, ``WeakCheckError``) or the capture
-    (``CaptureError``) raises that error here, its message (the report) prefixed with the
-    rank, instead of a ``ProcessRaisedException`` whose traceback hides the report a hundred
-    lines down. Any other failure propagates unchanged."""
+    """``torch.multiprocessing.spawn(fn, args, nprocs, ...)``, except that
+
+    - a rank that failed the oracle's check (``OracleMismatch``, ``WeakCheckError``) or the
+      capture (``CaptureError``) raises that error here, its message (the report) prefixed
+      with the rank, instead of a ``ProcessRaisedException`` whose traceback hides the
+      report a hundred lines down (any other failure propagates unchanged);
+    - a rank whose ``fn`` returned exits without the interpreter's teardown (see
+      :func:`_run_rank`): its ``atexit`` handlers do not run, so ``fn`` writes and closes
+      what it keeps (files, logs) before it returns."""
     import torch.multiprocessing as mp
 
     from ..errors import OracleMismatch, WeakCheckError
 
     __tracebackhide__ = True  # pytest: the failure starts at the caller's line
     try:
-        return mp.spawn(fn, args=args, nprocs=nprocs, **kwargs)
+        return mp.spawn(_run_rank, args=(fn, tuple(args)), nprocs=nprocs, **kwargs)
     except mp.ProcessRaisedException as exc:
         text = str(getattr(exc, "msg", exc))
         found = None

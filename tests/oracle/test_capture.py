@@ -587,3 +587,29 @@ def test_jax_keys_holding_a_slash_cannot_collide():
     spec = ok.spec("all_reduce", average=False)
     assert [p["name"] for p in spec["params"]] == ["mlp/~/linear_0/b", "mlp/~/linear_0/w"]
     assert check(spec, [ok.to_dict()]).ok
+
+
+def _rank_that_leaves_marks(index, out, fail):
+    """A spawned rank: a file now, another from an atexit handler; rank 1 raises if asked."""
+    import atexit
+
+    atexit.register(lambda: open(f"{out}/atexit{index}", "w").close())
+    open(f"{out}/done{index}", "w").close()
+    if fail and index == 1:
+        raise CaptureError("rank 1's record is inconsistent")
+
+
+def test_spawn_ends_a_finished_rank_without_the_teardown_and_reraises_ours(tmp_path):
+    """``capture.torch.spawn`` ends a rank whose function returned with ``os._exit(0)`` (no
+    atexit handler runs: torch's C++ teardown after gloo aborted such ranks now and then),
+    and still re-raises a rank's CaptureError with its rank."""
+    pytest.importorskip("torch")
+    import os
+    from mpifusion.capture.torch import spawn
+
+    spawn(_rank_that_leaves_marks, args=(str(tmp_path), False), nprocs=2)
+    assert sorted(os.listdir(tmp_path)) == ["done0", "done1"]
+    (tmp_path / "x").mkdir()
+    with pytest.raises(CaptureError, match=r"^rank 1: rank 1's record is inconsistent"):
+        spawn(_rank_that_leaves_marks, args=(str(tmp_path / "x"), True), nprocs=2)
+    assert {"done1", "atexit1"} <= set(os.listdir(tmp_path / "x"))  # torch's own exit path
