@@ -12,7 +12,8 @@ strategy is used only where it holds every rank, see :func:`ranks_on_node`):
   construction, so ``add_grad`` writes straight into shared memory (no copy-in);
 * a stream's *control* window (:class:`ShmStream`): per rank one descriptor row -- which
   collective it runs and where its array lies -- and a scratch segment that stages host
-  arrays that are not in a window (a user's own numpy array), chunk by chunk.
+  arrays that are not in a window (a user's own numpy array), chunk by chunk, and holds a
+  small all-reduce's copy of the rank's buffer (:meth:`ShmStream.publish`).
 
 Every window is made collectively, in an order all ranks share (buffer construction order,
 which the agreement check enforces), and gets a number from one counter: the *same* window
@@ -61,6 +62,7 @@ from mpi4py import MPI
 from ..errors import OptionError
 from .call import Call
 from .health import wait_request
+from .poll import poll
 
 #: every window's segment (and every region in it) starts on its own page: aligned for any
 #: dtype (and backend.BASE_ALIGNMENT), and its first touch by the owner places it on the
@@ -75,6 +77,9 @@ ROW_WORDS = 16
 ROW_FIELDS = ("serial", "kind", "count", "dtype", "root", "buffer", "step", "key",
               "window", "offset")
 DESC_WORDS = 8
+#: the last word of a rank's row (apart from ``ROW_FIELDS``): the ``serial`` of the last
+#: small all-reduce whose buffer this rank published in its scratch (:meth:`ShmStream.publish`)
+PUBLISHED_WORD = ROW_WORDS - 1
 #: bytes of a stream's scratch per rank: arrays outside the windows are staged through it in
 #: rounds of this size (1 MiB: the size the prototype of issue 29 ran its chunks at)
 SCRATCH_BYTES = 1 << 20
@@ -309,6 +314,10 @@ class ShmStream:
         self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
         self._scratch: Dict[Tuple[int, Any], np.ndarray] = {}
         self._gathered: Dict[Tuple[int, Any], Tuple[np.ndarray, List[np.ndarray]]] = {}
+        self._published = [seg[PUBLISHED_WORD * 8:(PUBLISHED_WORD + 1) * 8].view(np.int64)
+                           for seg in window.segments]
+        self._scratches: Dict[Tuple[int, Any], List[np.ndarray]] = {}
+        self._arrived = Call("Iarrived", comm=_Arrivals(self))
 
     def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
         """Make this a ``hierarchical`` stream: barriers on ``node_comm`` (the stream's own
@@ -349,6 +358,32 @@ class ShmStream:
             found = self._gathered[key] = (rows, [row.view(dtype) for row in rows])
         return found
 
+    def scratches(self, nbytes: int, dtype: Any) -> List[np.ndarray]:
+        """Every rank's first ``nbytes`` of scratch as ``dtype`` (kept per size, as
+        :meth:`gathered`'s)."""
+        key = (nbytes, dtype)
+        found = self._scratches.get(key)
+        if found is None:
+            if len(self._scratches) >= 64:
+                self._scratches.clear()
+            found = self._scratches[key] = [
+                seg[SCRATCH_OFFSET:SCRATCH_OFFSET + nbytes].view(dtype)
+                for seg in self.window.segments]
+        return found
+
+    def publish(self, flat: np.ndarray) -> Tuple[Call, List[np.ndarray]]:
+        """An all-gather through the window, for one node (``shm``): ``flat`` copied into
+        this rank's scratch and marked published for this collective (``serial``); the
+        call waits until every rank's is, and the list holds every rank's copy.
+
+        Only behind the order check: a rank writes its scratch once every rank started this
+        collective, so every peer finished reading it in the one before."""
+        sources = self.scratches(flat.nbytes, flat.dtype)
+        np.copyto(sources[self.rank], flat)
+        self.window.sync()  # the copy lands before the word that tells the peers to read it
+        self._published[self.rank][0] = self.serial
+        return self._arrived, sources
+
     def work(self, slot: int, n: int, dtype: Any) -> np.ndarray:
         """Accumulator ``slot`` of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
         key = (np.dtype(dtype), slot)
@@ -356,6 +391,39 @@ class ShmStream:
         if arr is None or arr.size < n:
             arr = self._work[key] = np.empty(max(n, 1), dtype=dtype)
         return arr[:n]
+
+
+class _Arrivals:
+    """The request-like wait of :meth:`ShmStream.publish` (``Test``/``Wait``, as an MPI
+    request: the engines poll it, deadlines and hand-over included); ``Iarrived`` is the
+    call's method, so every engine takes it as already non-blocking."""
+
+    __slots__ = ("stream", "serial")
+
+    def __init__(self, stream: "ShmStream") -> None:
+        self.stream = stream
+        self.serial = 0
+
+    def Iarrived(self) -> "_Arrivals":
+        """Start the wait for this collective (one runs at a time on a stream)."""
+        self.serial = self.stream.serial
+        return self
+
+    def Test(self) -> bool:
+        serial = self.serial
+        for word in self.stream._published:
+            if word[0] < serial:
+                return False
+        self.stream.window.sync()  # the peers' copies are read after their words
+        return True
+
+    def Wait(self) -> None:
+        if not self.Test():
+            poll(self.Test, moves=_NEVER_MOVES)  # spin first, as a blocking MPI call does
+
+
+def _NEVER_MOVES() -> int:
+    return 0
 
 
 class NodeMemory:

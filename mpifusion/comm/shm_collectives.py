@@ -55,12 +55,22 @@ CHUNK_BYTES = 1 << 20
 #: one cache line (64 elements: at least 128 bytes in every dtype)
 CUT_ELEMENTS = 64
 
+# IEEE_ONLY: every sum and scaling here runs under ``np.errstate(all="ignore")`` (never
+# across a ``yield``: the state would leak into the caller's code): an overflow gives inf,
+# as MPI's own sum does, with no warning and no ``FloatingPointError``. A caller's
+# ``np.seterr(all="raise")`` (or warnings made errors) would otherwise stop one rank -- the
+# one whose slice overflowed -- and leave the others at the next barrier. The gathered
+# all-reduce (every rank sums everything, apart from its sources) tries without it, since
+# entering an errstate costs as much as summing 4 KiB, and sums again under it if numpy
+# raised (after writing the whole result); under numpy's default it warns of an overflow.
+
 #: an all-reduce whose buffers of every rank together hold at most this many bytes gathers
-#: them (one MPI call) and every rank sums all of them itself, in rank order: the same bits
-#: and the same rank-order sum as the window's, where the two barriers and the window's
-#: bookkeeping cost more than the bytes (see :func:`_gathered_allreduce`). 2 ranks, MPICH,
-#: x thread: a 64 KiB buffer 1.06 gathered, 0.9-1.4 by the window; from a 128 KiB buffer on
-#: the window wins (0.70, and 0.44 at 256 KiB)
+#: them (through the scratch on one node, one MPI_Allgather across nodes) and every rank sums
+#: all of them itself, in rank order: the same bits and the same rank-order sum as the
+#: window's, where the two barriers and the window's bookkeeping cost more than the bytes
+#: (see :func:`_gathered_allreduce`). 2 ranks, MPICH, x thread: a 64 KiB buffer 1.06 by
+#: MPI_Allgather, 0.9-1.4 by the window; from a 128 KiB buffer on the window wins (0.70, and
+#: 0.44 at 256 KiB)
 GATHER_MAX_BYTES = 128 << 10
 
 
@@ -155,33 +165,35 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
     tmp_all = stream.work(1, step, float32) if half else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
-        if fused:
-            a += halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
-                                   scale, acc_all[:b - a])
-            if a == b:
-                continue
-        acc = dests[0][a:b] if direct else acc_all[:b - a]
-        if half:
-            halfcast.widen(sources[0][a:b], acc)
-            tmp = tmp_all[:b - a]
-            for src in sources[1:]:
-                halfcast.widen(src[a:b], tmp)
-                np.add(acc, tmp, out=acc)
-        else:
-            _add_in_rank_order([src[a:b] for src in sources], acc)
+        with np.errstate(all="ignore"):  # see IEEE_ONLY
+            if fused:
+                a += halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
+                                       scale, acc_all[:b - a])
+                if a == b:
+                    continue
+            acc = dests[0][a:b] if direct else acc_all[:b - a]
+            if half:
+                halfcast.widen(sources[0][a:b], acc)
+                tmp = tmp_all[:b - a]
+                for src in sources[1:]:
+                    halfcast.widen(src[a:b], tmp)
+                    np.add(acc, tmp, out=acc)
+            else:
+                _add_in_rank_order([src[a:b] for src in sources], acc)
         if cross is not None:
             yield from cross(acc)
-        if scale is not None:
-            backend.scale_(acc, scale)
-        if not dests:
-            continue
-        first = acc if direct else dests[0][a:b]
-        if first.dtype in HALF:
-            halfcast.narrow(acc, first)
-        elif not direct:
-            first[...] = acc
-        for dest in dests[1:]:
-            dest[a:b] = first
+        with np.errstate(all="ignore"):
+            if scale is not None:
+                backend.scale_(acc, scale)
+            if not dests:
+                continue
+            first = acc if direct else dests[0][a:b]
+            if first.dtype in HALF:
+                halfcast.narrow(acc, first)
+            elif not direct:
+                first[...] = acc
+            for dest in dests[1:]:
+                dest[a:b] = first
 
 
 def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
@@ -234,22 +246,37 @@ def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]
 
 def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
                         seg: int) -> Steps:
-    """A small all-reduce in one ``Allgather`` of every rank's buffer (of the whole
-    communicator: ``hierarchical`` too); every rank then sums all of them in rank order as
-    :func:`_sum_into` sums a slice, so every rank computes, and holds, the same bits. Only
-    behind the order check (see :func:`allreduce_steps`), which compares what the window's
-    rows would. 2 ranks, 4 KiB: two barriers and the window's bookkeeping took 60-80 us a
-    step, ``thread`` 27-47 us."""
+    """A small all-reduce as an all-gather of every rank's buffer; every rank then sums all
+    of them in rank order as :func:`_sum_into` sums a slice, so every rank computes, and
+    holds, the same bits. On one node the buffers go through the ranks' scratch
+    (``ShmStream.publish``: a copy and a word per rank, no MPI call); ``hierarchical`` runs
+    one ``MPI_Allgather`` over the whole communicator. Only behind the order check (see
+    :func:`allreduce_steps`), which compares what the window's rows would, and which is
+    what makes reusing the scratch safe. 2 ranks, 4 KiB: two barriers and the window's
+    bookkeeping took 60-80 us a step, ``thread`` 27-47 us; the ``Allgather`` cost Open MPI
+    4.2 us where its ``Allreduce`` takes 1.7 us, the scratch about 1.5 us."""
     stream.serial += 1  # in step with the window's rows on every rank
-    rows, sources = stream.gathered(flat.nbytes, flat.dtype)
-    yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
+    if stream.nodes == 1 and flat.nbytes <= stream.scratch_bytes:
+        arrived, sources = stream.publish(flat)
+        yield arrived
+    else:
+        rows, sources = stream.gathered(flat.nbytes, flat.dtype)
+        yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
     if flat.dtype in HALF:
         yield from _sum_into(stream, sources, [flat], 0, flat.size, scale,
                              chunk_elements(seg, flat.dtype))
     else:  # apart from every source: summed in the buffer itself, as _sum_into's direct sum
-        _add_in_rank_order(sources, flat)
-        if scale is not None:
-            backend.scale_(flat, scale)
+        try:  # an errstate costs as much as the sum here; see IEEE_ONLY
+            _sum_scaled(sources, flat, scale)
+        except (FloatingPointError, RuntimeWarning):
+            with np.errstate(all="ignore"):  # the caller made numpy raise: again, quietly
+                _sum_scaled(sources, flat, scale)
+
+
+def _sum_scaled(sources: Sequence[np.ndarray], out: np.ndarray, scale: Optional[float]) -> None:
+    _add_in_rank_order(sources, out)
+    if scale is not None:
+        backend.scale_(out, scale)
 
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
@@ -302,7 +329,8 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
         if rank in staged and lands:
             flat[a:b] = mine[:m]
     if not lands and sent_scale is not None:
-        backend.scale_(flat, sent_scale)
+        with np.errstate(all="ignore"):
+            backend.scale_(flat, sent_scale)
 
 
 def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.ndarray,
@@ -356,18 +384,20 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
             out = stream.work(4, w, wide)
             yield Call("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(out)),
                        {"op": MPI.SUM}, comm=stream.cross)
-            if scale is not None:
-                backend.scale_(out, scale)
-            if recv.dtype in HALF:
-                halfcast.narrow(out, recv[a:b])
-            else:
-                recv[a:b] = out
+            with np.errstate(all="ignore"):
+                if scale is not None:
+                    backend.scale_(out, scale)
+                if recv.dtype in HALF:
+                    halfcast.narrow(out, recv[a:b])
+                else:
+                    recv[a:b] = out
         if staged or i == len(rounds) - 1:
             yield from _barrier(stream)
     if others_scale is not None:
-        for s in range(everyone):
-            if s != stream.node * p + rank:
-                backend.scale_(send[s * shard:(s + 1) * shard], others_scale)
+        with np.errstate(all="ignore"):
+            for s in range(everyone):
+                if s != stream.node * p + rank:
+                    backend.scale_(send[s * shard:(s + 1) * shard], others_scale)
 
 
 def _cross_allgather(stream: ShmStream, flat: np.ndarray, shard: int) -> Steps:

@@ -401,8 +401,8 @@ def test_rows_refuse_different_collectives_without_the_order_check(comm):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dtype,
                                                                        monkeypatch):
-    """A small all-reduce (every rank's buffer together at most GATHER_MAX_BYTES) is one
-    Allgather, each rank summing every buffer in rank order itself; with verify_order=False
+    """A small all-reduce (every rank's buffer together at most GATHER_MAX_BYTES) is an
+    all-gather, each rank summing every buffer in rank order itself; with verify_order=False
     it takes the window. Random values (not exact sums): both give the bits of the rank-order
     sum computed here, on every rank, with 1/n applied once."""
     from mpifusion.comm import shm_collectives
@@ -432,6 +432,64 @@ def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dt
         np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8),
                                       err_msg=f"verify_order={verify}, rank {rank}")
         same_on_every_rank(comm, x, f"verify_order={verify}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_all_reduces_through_the_scratch_under_skewed_starts(comm, monkeypatch):
+    """On one node a small all-reduce moves no data through MPI: each rank copies its buffer
+    into its scratch and waits until every peer's word says the same (``ShmStream.publish``).
+    60 in a row of random sizes, every third a large one of an array outside the windows
+    (staged through the same scratch), a random rank starting each up to 3 ms late: every
+    result has the bits of the rank-order sum on every rank, so no rank read a scratch that
+    a peer had already overwritten for the next collective."""
+    from mpifusion.comm import shm_collectives
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    published = []
+    real = shm.ShmStream.publish
+    monkeypatch.setattr(shm.ShmStream, "publish",
+                        lambda self, flat: (published.append(flat.size), real(self, flat))[1])
+    c = Communicator(comm, opts())
+    small = shm_collectives.GATHER_MAX_BYTES // (4 * n)
+    scale = np.float32(1.0 / n)
+    for i in range(60):
+        rng = np.random.default_rng([7, i])  # the same draws on every rank
+        numel = int(rng.integers(1, small + 1)) if i % 3 else 40000 + i
+        draws = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+        want = draws[0].copy()
+        for r in range(1, n):
+            want = want + draws[r]
+        want = want * scale
+        if rank == int(rng.integers(n)):
+            time.sleep(float(rng.uniform(0, 0.003)))
+        x = draws[rank].copy()
+        c.allreduce(x, scale=1.0 / n).wait(timeout=60)
+        np.testing.assert_array_equal(x.view(np.uint32), want.view(np.uint32),
+                                      err_msg=f"all-reduce {i} of {numel}, rank {rank}")
+    assert len(published) == 40, published  # the small ones, and only they
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("numel", [16, 70000], ids=["gathered", "window"])
+def test_an_overflow_is_ieee_on_every_rank_whatever_numpy_is_told(comm, numel):
+    """Sums that overflow give inf on every rank, as MPI's own sum does, even where the
+    caller made numpy raise (``np.seterr(all="raise")``) and warnings errors: each rank sums
+    its own slice in the window, so one rank raising alone would leave the others at the
+    barrier."""
+    import warnings
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    c = Communicator(comm, opts(timeout=20))
+    x = np.ones(numel, np.float32)
+    x[-1] = np.float32(3e38)  # the last element overflows: in the last rank's slice
+    want = np.full(numel, np.float32(n) * np.float32(1.0 / n), np.float32)
+    want[-1] = np.inf
+    with np.errstate(all="raise"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.allreduce(x, scale=1.0 / n).wait()
+        c.allreduce(x[:1], scale=1.0 / n).wait()  # and the stream goes on
+    np.testing.assert_array_equal(x, want)
+    same_on_every_rank(comm, x, "an overflowed sum")
 
 
 # ------------------------------------------------------------------ fallback, lifetime
