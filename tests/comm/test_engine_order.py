@@ -7,7 +7,8 @@ nothing leaked, every result against a float64 reference.
   every sum is exact); an OrderError that had already pre-scaled the grads; buffers sharing
   an id (as every split of fused_parameters numbers its groups from 0) started in different
   orders; verified and unverified communicators on separate streams.
-* Whole jobs (``ordering_driver.py`` under ``mpiexec``, both strategies), where a broken
+* Whole jobs (``ordering_driver.py`` under ``mpiexec``, with ``thread``, ``nonblocking`` and
+  ``shm``, the default where the ranks share a node), where a broken
   stream must not hang the pytest run; ``suite`` at 2, 3, 4 and 8 ranks (the orders it
   checks differ with the job's size), the others at 2 and 3:
 
@@ -470,7 +471,7 @@ def test_deadline_passing_with_the_check_in_flight(comm, strategy):
 DRIVER = str(Path(__file__).with_name("ordering_driver.py"))
 
 
-STRATEGIES = ("thread", "nonblocking")
+STRATEGIES = ("thread", "nonblocking", "shm")
 
 
 HARD_LIMIT = 150
