@@ -366,9 +366,9 @@ class ShmStream:
         if found is None:
             if len(self._scratches) >= 64:
                 self._scratches.clear()
-            found = self._scratches[key] = [
-                seg[SCRATCH_OFFSET:SCRATCH_OFFSET + nbytes].view(dtype)
-                for seg in self.window.segments]
+            count = nbytes // np.dtype(dtype).itemsize
+            found = self._scratches[key] = [self.scratch(q, dtype)[:count]
+                                            for q in range(self.size)]
         return found
 
     def publish(self, flat: np.ndarray) -> Tuple[Call, List[np.ndarray]]:
