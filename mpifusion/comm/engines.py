@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import AbandonedError, OrderError, StateError
-from .poll import Backoff, poll
+from .poll import Backoff, never_moves, poll
 from .call import nonblocking_name
 from .record import Collective
 
@@ -454,9 +454,8 @@ class ThreadEngine(Engine):
                 if deadline is None:
                     if method is None or method[0] == "I":
                         out.Wait()
-                # a counter that never moves: spin first, as a blocking call would
                 elif not poll(out.Test, max(0.0, deadline - time.monotonic()),
-                              moves=lambda: 0):
+                              moves=never_moves):
                     task.requests.append((out, land, call.args))
                     return False
                 if land is not None:

@@ -43,6 +43,12 @@ class Backoff:
         self.pause = 0.0
 
 
+def never_moves() -> int:
+    """The ``moves`` of a wait on one request: a counter that never moves, so :func:`poll`
+    spins (yielding the core) for :data:`SPIN_S` first, as a blocking MPI call would."""
+    return 0
+
+
 def poll(done: Callable[[], bool], timeout: Optional[float] = None, first: float = 1e-6,
          cap: float = 1e-3, moves: Optional[Callable[[], int]] = None) -> bool:
     """Call ``done()`` until it returns True (then True), sleeping with back-off between

@@ -62,7 +62,7 @@ from mpi4py import MPI
 from ..errors import OptionError
 from .call import Call
 from .health import wait_request
-from .poll import poll
+from .poll import never_moves, poll
 
 #: every window's segment (and every region in it) starts on its own page: aligned for any
 #: dtype (and backend.BASE_ALIGNMENT), and its first touch by the owner places it on the
@@ -419,11 +419,7 @@ class _Arrivals:
 
     def Wait(self) -> None:
         if not self.Test():
-            poll(self.Test, moves=_NEVER_MOVES)  # spin first, as a blocking MPI call does
-
-
-def _NEVER_MOVES() -> int:
-    return 0
+            poll(self.Test, moves=never_moves)
 
 
 class NodeMemory:
