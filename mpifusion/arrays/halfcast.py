@@ -23,6 +23,11 @@ The kernels count NaN inputs; when there are any, those elements alone are re-ca
 reference cast, so NaN payloads and quiet bits are exactly what numpy/ml_dtypes produce (F16C
 quiets signalling NaNs, numpy does not). Everything else (Inf, overflow to Inf, subnormals,
 ties to even) is exact by construction and checked exhaustively in tests/arrays/test_halfcast.py.
+
+The same module sums fp32/fp64 arrays in rank order and scales them in one call
+(:func:`sum_wide`, the shm small all-reduce): numpy's add and multiply cost more in call
+overhead than the arithmetic of a few KiB. Same bits, NaNs again left to numpy.
+
 Without the compiled module, for cupy arrays, non-contiguous arrays, or with
 ``MPIFUSION_HALFCAST=numpy``, :func:`widen` and :func:`narrow` are the plain casts. A source
 that overlaps the output (widening or rounding in place) is copied first: numpy's own cast
@@ -183,8 +188,28 @@ def sum_half(sources: Sequence[Any], dests: Sequence[Any], scale: Optional[float
                       acc.reshape(-1).view(_u32)))
 
 
+def sum_wide(sources: Sequence[Any], out: Any, scale: Optional[float]) -> int:
+    """``out[:] = scale * sum(sources)`` for fp32 or fp64 arrays (all of one dtype, ``out``
+    apart from every source) in one compiled call, bit for bit what ``np.add`` in the order
+    of ``sources`` and ``np.multiply`` by ``dtype(scale)`` (skipped for None or 1) give:
+    numpy's calls cost more than the sum of a small buffer (1024 fp32, 2 sources: 0.43 us
+    against 1.3 us). Returns how many leading elements were done, as :func:`sum_half` (a NaN
+    result stops it; 0 without the module, for other dtypes, or for arrays it cannot take:
+    not C-contiguous, of other sizes, or overlapping).
+    Not switched off by ``$MPIFUSION_HALFCAST``: reading it costs twice the sum, and there
+    is no cast here whose rounding could differ."""
+    kind = out.dtype.char
+    if _kernels is None or kind not in "fd":
+        return 0
+    try:
+        return (_kernels.sum_f32 if kind == "f" else _kernels.sum_f64)(tuple(sources), out,
+                                                                        scale)
+    except (BufferError, ValueError):  # not C-contiguous, other sizes, an overlap: numpy's
+        return 0
+
+
 def _contiguous(arr: Any) -> bool:
     return type(arr) is np.ndarray and arr.flags.c_contiguous
 
 
-__all__ = ["widen", "narrow", "path", "sum_half"]
+__all__ = ["widen", "narrow", "path", "sum_half", "sum_wide"]

@@ -60,9 +60,10 @@ CUT_ELEMENTS = 64
 # as MPI's own sum does, with no warning and no ``FloatingPointError``. A caller's
 # ``np.seterr(all="raise")`` (or warnings made errors) would otherwise stop one rank -- the
 # one whose slice overflowed -- and leave the others at the next barrier. The gathered
-# all-reduce (every rank sums everything, apart from its sources) tries without it, since
-# entering an errstate costs as much as summing 4 KiB, and sums again under it if numpy
-# raised (after writing the whole result); under numpy's default it warns of an overflow.
+# all-reduce (every rank sums everything, apart from its sources) sums fp32/fp64 in one
+# compiled call (``halfcast.sum_wide``, which never consults numpy's error state) and
+# otherwise tries numpy without an errstate, since entering one costs as much as summing
+# 4 KiB, and sums again under it if numpy raised (after writing the whole result).
 
 #: an all-reduce whose buffers of every rank together hold at most this many bytes gathers
 #: them (through the scratch on one node, one MPI_Allgather across nodes) and every rank sums
@@ -274,9 +275,14 @@ def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[flo
 
 
 def _sum_scaled(sources: Sequence[np.ndarray], out: np.ndarray, scale: Optional[float]) -> None:
-    _add_in_rank_order(sources, out)
-    if scale is not None:
-        backend.scale_(out, scale)
+    """``out = scale * sum(sources)`` (``out`` apart from every source): the compiled sum
+    where it runs, numpy from where it stopped (a NaN: numpy decides its payload)."""
+    done = halfcast.sum_wide(sources, out, scale)
+    if done < out.size:
+        rest = out[done:]
+        _add_in_rank_order([s[done:] for s in sources], rest)
+        if scale is not None:
+            backend.scale_(rest, scale)
 
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],

@@ -490,3 +490,80 @@ def test_sum_half_without_the_kernel_does_nothing(monkeypatch):
     dest = np.zeros(10, bfloat16)
     assert halfcast.sum_half(src, [dest], None, np.empty(10, float32)) == 0
     assert not dest.any()
+
+
+# -- sum_wide: the shm small all-reduce's compiled fp32/fp64 sum and scaling -------------
+
+WIDE = [pytest.param(np.float32, np.uint32, id="fp32"),
+        pytest.param(np.float64, np.uint64, id="fp64")]
+SCALES = [None, 1.0, 0.5, 1 / 3, 1 / 7, 1.00000001, 3e38, -2.0]
+
+
+def ref_sum_scaled(sources, scale):
+    """rank-order np.add, then np.multiply by dtype(scale) unless None or 1: what every
+    other path of mpifusion computes"""
+    with np.errstate(all="ignore"):
+        out = sources[0].copy()
+        for s in sources[1:]:
+            out = out + s
+        if scale is not None and float(scale) != 1.0:
+            out = out * out.dtype.type(scale)
+    return out
+
+
+def wide_patterns(rng, n, dt, ut):
+    """every kind of value: random bits (NaNs of all payloads, infs, subnormals), normals
+    over the whole exponent range, exact ties, signed zeros"""
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        return rng.integers(0, np.iinfo(ut).max, n, dtype=ut, endpoint=True).view(dt)
+    if kind == 1:
+        exp = rng.integers(np.finfo(dt).minexp - 20, np.finfo(dt).maxexp, n)
+        with np.errstate(over="ignore"):
+            return np.ldexp(rng.standard_normal(n), exp).astype(dt)
+    return rng.choice(np.array([0.0, -0.0, 1.0, 2.0 ** -24, np.finfo(dt).max,
+                                np.finfo(dt).smallest_subnormal], dtype=dt), n)
+
+
+@pytest.mark.parametrize("dt,ut", WIDE)
+def test_sum_wide_is_numpys_sum_bit_for_bit(dt, ut):
+    """The shm path's _sum_scaled (compiled kernel, numpy from a NaN on) gives the bits of
+    the rank-order numpy sum and scaling, NaN payloads included, and the kernel did the
+    whole of every NaN-free sum (so this is not numpy compared with itself)."""
+    from mpifusion.comm.shm_collectives import _sum_scaled
+    rng = np.random.default_rng(29)
+    whole = 0
+    for trial in range(1500):
+        n = int(rng.choice([0, 1, 7, 255, 256, 257, 1024, 1031]))
+        sources = [wide_patterns(rng, n, dt, ut) for _ in range(int(rng.integers(1, 6)))]
+        scale = SCALES[trial % len(SCALES)]
+        want = ref_sum_scaled(sources, scale)
+        got = np.full(n, 7, dt)
+        _sum_scaled(sources, got, scale)
+        bad = np.flatnonzero(got.view(ut) != want.view(ut))
+        assert not bad.size, (trial, scale, [s[bad[:3]] for s in sources], got[bad[:3]])
+        if K is not None and not np.isnan(want).any():
+            assert halfcast.sum_wide(sources, np.empty(n, dt), scale) == n
+            whole += 1
+    assert K is None or whole > 300
+
+
+def test_sum_wide_declines_what_it_cannot_take(monkeypatch):
+    """0 (numpy does it) for other dtypes, strided arrays, other sizes, an output that
+    overlaps a source, and without the compiled module; a NaN stops it at its block."""
+    if K is None:
+        pytest.skip("the compiled module is not built here")
+    a, b = np.arange(512, dtype=np.float32), np.ones(512, np.float32)
+    out = np.empty(512, np.float32)
+    assert halfcast.sum_wide([a, b], out, 0.5) == 512
+    np.testing.assert_array_equal(out, (a + b) * np.float32(0.5))
+    assert halfcast.sum_wide([a.astype(np.int32)], out.view(np.int32), None) == 0
+    assert halfcast.sum_wide([a[::2]], out[:256], None) == 0
+    assert halfcast.sum_wide([a[:256]], out[::2], None) == 0
+    assert halfcast.sum_wide([a[:300]], out, None) == 0
+    assert halfcast.sum_wide([out, a], out, None) == 0
+    assert halfcast.sum_wide([a[1:], b[1:]], a[:-1], None) == 0
+    b[300] = np.nan
+    assert halfcast.sum_wide([a, b], out, None) == 256  # the block holding the NaN on
+    monkeypatch.setattr(halfcast, "_kernels", None)
+    assert halfcast.sum_wide([a, b], out, None) == 0

@@ -34,7 +34,11 @@ from .workload import (HALF_DTYPE, auto_strategy, MiB, build_buffers, default_se
 #: buffer sizes of the small-buffer latency check (issue 29: no slower than thread)
 SMALL_BUFFER_BYTES = (4 << 10, 16 << 10, 64 << 10)
 #: steps per timed run of one small buffer, so the barrier around a run drops out
-SMALL_BUFFER_REPS = 20
+SMALL_BUFFER_REPS = 50
+#: rounds per ``--iters``: a step is 25-60 us, where one descheduling of a rank spoils a
+#: run; with 5 rounds of 20 steps, three runs of one build gave shm / thread at 4 KiB as
+#: 0.75, 0.89 and 1.13 (Open MPI, 2 ranks on 2 cores)
+SMALL_BUFFER_ROUNDS_PER_ITER = 4
 
 
 @dataclass
@@ -233,7 +237,8 @@ def measure_small_buffers(b: Bench) -> None:
             bufs = build_buffers([param], HookAction.ALL_REDUCE, size, b.comm, strategy)
             keep.append(bufs)
             fns[strategy] = (lambda bb=bufs: [full_step(bb, False) for _ in range(reps)])
-        timed = timeit_many(fns, b.comm, max(b.s.iters, 3), max(1, b.s.warmup))
+        timed = timeit_many(fns, b.comm, SMALL_BUFFER_ROUNDS_PER_ITER * max(b.s.iters, 3),
+                            max(1, b.s.warmup))
         row: Dict[str, Any] = {"bytes": size, "reps": reps}
         for k, v in timed.items():
             per = [t / reps for t in v["times_s"]]
