@@ -31,13 +31,15 @@ def timeit(fn: Callable[[], Any], comm: MPI.Comm, iters: int, warmup: int,
 
 
 def timeit_many(fns: Dict[Any, Callable[[], Any]], comm: MPI.Comm, iters: int,
-                warmup: int) -> Dict[Any, Dict[str, Any]]:
+                warmup: int, self_timed: bool = False) -> Dict[Any, Dict[str, Any]]:
     """``timeit`` of several candidates in rounds (one run of each per round), so load that
     drifts during the run hits every candidate alike and their ratios stay fair. The order
     changes from round to round (:func:`balanced_orders`): a candidate that leaves the machine
     busy for a while (a progress thread still polling) then delays each of the others equally
     often, not always the one after it (in a fixed order, ``shm`` right after
-    ``nonblocking`` measured 1.1-1.7x ``thread`` at 4-64 KiB, and 0.83-1.26x placed first)."""
+    ``nonblocking`` measured 1.1-1.7x ``thread`` at 4-64 KiB, and 0.83-1.26x placed first).
+    ``self_timed``: each ``fn`` returns its own seconds (a median of the steps it timed),
+    and a run's time is the largest over the ranks."""
     times: Dict[Any, List[float]] = {k: [] for k in fns}
     items = list(fns.items())
     orders = balanced_orders(len(items))
@@ -45,8 +47,8 @@ def timeit_many(fns: Dict[Any, Callable[[], Any]], comm: MPI.Comm, iters: int,
         for name, fn in [items[j] for j in orders[i % len(orders)]]:
             comm.Barrier()
             t0 = time.perf_counter()
-            fn()
-            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            own = fn()
+            dt = comm.allreduce(own if self_timed else time.perf_counter() - t0, op=MPI.MAX)
             if i >= warmup:
                 times[name].append(dt)
     return {k: {"median_s": statistics.median(v), "min_s": min(v), "iters": iters,

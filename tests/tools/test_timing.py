@@ -34,3 +34,12 @@ def test_ratios_are_taken_round_by_round():
     assert round_ratio(a, b) == 2.0  # per round 2, 1, 2: median 2
     best = best_per_round([a, b])
     assert best["times_s"] == [1.0, 10.0, 2.0] and best["median_s"] == 2.0
+
+
+def test_self_timed_candidates_report_their_own_seconds():
+    """bench's small buffers time each step and report the median: the round keeps what
+    the candidate returned, not the wall time around it (which includes its other steps)."""
+    own = {"a": iter([9.0, 0.5, 0.75]), "b": iter([9.0, 0.25, 1.0])}  # warm-up first
+    fns = {name: (lambda it=it: next(it)) for name, it in own.items()}
+    res = timeit_many(fns, MPI.COMM_SELF, iters=2, warmup=1, self_timed=True)
+    assert res["a"]["times_s"] == [0.5, 0.75] and res["b"]["times_s"] == [0.25, 1.0]

@@ -6,12 +6,14 @@ table in ``report.TABLES``.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import resource
 import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mpi4py
 import numpy as np
@@ -33,11 +35,13 @@ from .workload import (HALF_DTYPE, auto_strategy, MiB, build_buffers, default_se
 
 #: buffer sizes of the small-buffer latency check (issue 29: no slower than thread)
 SMALL_BUFFER_BYTES = (4 << 10, 16 << 10, 64 << 10)
-#: steps per timed run of one small buffer, so the barrier around a run drops out
+#: steps per timed run of one small buffer: each step is timed, and the run's time is their
+#: median. A step is 25-60 us, where one descheduling of a rank (or a wake-up of another
+#: candidate's idle comm thread, which polls for 1 s after its last use) added milliseconds
+#: to a run's mean: with the mean of 20 steps in 5 rounds, three runs of one build gave shm
+#: / thread at 4 KiB as 0.75, 0.89 and 1.13 (Open MPI, 2 ranks on 2 cores)
 SMALL_BUFFER_REPS = 50
-#: rounds per ``--iters``: a step is 25-60 us, where one descheduling of a rank spoils a
-#: run; with 5 rounds of 20 steps, three runs of one build gave shm / thread at 4 KiB as
-#: 0.75, 0.89 and 1.13 (Open MPI, 2 ranks on 2 cores)
+#: rounds per ``--iters``
 SMALL_BUFFER_ROUNDS_PER_ITER = 4
 
 
@@ -223,6 +227,16 @@ def measure_window_sweep(b: Bench) -> None:
     del keep
 
 
+def _median_step(bufs: Sequence[FusedCommBuffer], reps: int) -> float:
+    """Seconds of the median of ``reps`` ALL_REDUCE steps of ``bufs``, each timed alone."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        full_step(bufs, False)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_small_buffers(b: Bench) -> None:
     """Latency of one small fused buffer (4-64 KiB) per strategy, in rounds: issue 29 asks
     shm to be no slower than thread here, where a sync is a few barriers, not bytes."""
@@ -236,12 +250,12 @@ def measure_small_buffers(b: Bench) -> None:
             param = Param("g", np.zeros(size // 4, np.float32))
             bufs = build_buffers([param], HookAction.ALL_REDUCE, size, b.comm, strategy)
             keep.append(bufs)
-            fns[strategy] = (lambda bb=bufs: [full_step(bb, False) for _ in range(reps)])
+            fns[strategy] = functools.partial(_median_step, bufs, reps)
         timed = timeit_many(fns, b.comm, SMALL_BUFFER_ROUNDS_PER_ITER * max(b.s.iters, 3),
-                            max(1, b.s.warmup))
+                            max(1, b.s.warmup), self_timed=True)
         row: Dict[str, Any] = {"bytes": size, "reps": reps}
         for k, v in timed.items():
-            per = [t / reps for t in v["times_s"]]
+            per = v["times_s"]
             row[k] = {"median_s": statistics.median(per), "times_s": per,
                       "x_thread": round_ratio(v, timed["thread"]) if "thread" in timed
                       else None}

@@ -108,8 +108,8 @@ def table_small_buffers(res: dict) -> tuple:
                        for k in keys])
     first = res["small_buffers"][0]
     header = ["buffer"] + [k for k in first if isinstance(first[k], dict)]
-    return ("small buffers: one ALL_REDUCE step per strategy (median per step; in brackets "
-            "x thread, per round)", header, rows)
+    return ("small buffers: one ALL_REDUCE step per strategy (each run's median step, "
+            "median over rounds; in brackets x thread, per round)", header, rows)
 
 
 def table_window_sweep(res: dict) -> tuple:
