@@ -549,8 +549,9 @@ def test_sum_wide_is_numpys_sum_bit_for_bit(dt, ut):
 
 
 def test_sum_wide_declines_what_it_cannot_take(monkeypatch):
-    """0 (numpy does it) for other dtypes, strided arrays, other sizes, an output that
-    overlaps a source, and without the compiled module; a NaN stops it at its block."""
+    """0 (numpy does it) for other dtypes (a source of another dtype but the same bytes,
+    byte-swapped arrays), strided arrays, other sizes, an output that overlaps a source,
+    and without the compiled module; a NaN stops it at its block."""
     if K is None:
         pytest.skip("the compiled module is not built here")
     a, b = np.arange(512, dtype=np.float32), np.ones(512, np.float32)
@@ -558,6 +559,9 @@ def test_sum_wide_declines_what_it_cannot_take(monkeypatch):
     assert halfcast.sum_wide([a, b], out, 0.5) == 512
     np.testing.assert_array_equal(out, (a + b) * np.float32(0.5))
     assert halfcast.sum_wide([a.astype(np.int32)], out.view(np.int32), None) == 0
+    assert halfcast.sum_wide([a[:256].astype(np.float64)], out, None) == 0  # same bytes
+    assert halfcast.sum_wide([a.astype(">f4")], out, None) == 0
+    assert halfcast.sum_wide([a], out.view(">f4"), None) == 0
     assert halfcast.sum_wide([a[::2]], out[:256], None) == 0
     assert halfcast.sum_wide([a[:256]], out[::2], None) == 0
     assert halfcast.sum_wide([a[:300]], out, None) == 0

@@ -422,6 +422,10 @@ def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dt
     fused = []  # elements the compiled half pass summed (halfcast.sum_half)
     real_sum = halfcast.sum_half
     monkeypatch.setattr(halfcast, "sum_half", lambda *a: fused.append(real_sum(*a)) or fused[-1])
+    summed = []  # elements the compiled fp32/fp64 sum did (halfcast.sum_wide)
+    real_wide = halfcast.sum_wide
+    monkeypatch.setattr(halfcast, "sum_wide",
+                        lambda *a: summed.append(real_wide(*a)) or summed[-1])
     for verify in (True, False):
         c = Communicator(comm, opts(verify_order=verify))
         x = draws[rank].astype(dtype)
@@ -429,6 +433,8 @@ def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dt
         assert len(gathered) == 1, (verify, gathered)  # gathered with the check, else not
         if not verify and n > 1 and np.dtype(dtype).itemsize == 2 and halfcast.path() != "numpy":
             assert sum(fused) > 0, "the window's half slices were not summed in one pass"
+        if verify and np.dtype(dtype).itemsize >= 4 and halfcast._kernels is not None:
+            assert sum(summed) == numel, "the gathered sum was not the compiled one"
         np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8),
                                       err_msg=f"verify_order={verify}, rank {rank}")
         same_on_every_rank(comm, x, f"verify_order={verify}")
