@@ -313,10 +313,10 @@ class ShmStream:
                       for seg in window.segments]
         self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
         self._scratch: Dict[Tuple[int, Any], np.ndarray] = {}
-        self._gathered: Dict[Tuple[int, Any], Tuple[np.ndarray, List[np.ndarray]]] = {}
+        self._gathered: Dict[Tuple[int, Any], Tuple[np.ndarray, Tuple[np.ndarray, ...]]] = {}
         self._published = [seg[PUBLISHED_WORD * 8:(PUBLISHED_WORD + 1) * 8].view(np.int64)
                            for seg in window.segments]
-        self._scratches: Dict[Tuple[int, Any], List[np.ndarray]] = {}
+        self._scratches: Dict[Tuple[int, Any], Tuple[np.ndarray, ...]] = {}
         self._arrived = Call("Iarrived", comm=_Arrivals(self))
 
     def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
@@ -345,7 +345,7 @@ class ShmStream:
             arr = self._scratch[key] = self.window.segments[rank][SCRATCH_OFFSET:].view(dtype)
         return arr
 
-    def gathered(self, nbytes: int, dtype: Any) -> Tuple[np.ndarray, List[np.ndarray]]:
+    def gathered(self, nbytes: int, dtype: Any) -> Tuple[np.ndarray, Tuple[np.ndarray, ...]]:
         """The receive rows of a gathered all-reduce of ``nbytes`` of ``dtype`` per rank (of
         every node), and every rank's row as a ``dtype`` array: kept per size, since making
         the views took longer than summing a 4 KiB buffer."""
@@ -355,26 +355,26 @@ class ShmStream:
             if len(self._gathered) >= 64:  # many sizes: keep the memory bounded
                 self._gathered.clear()
             rows = np.empty((self.size * self.nodes, nbytes), np.uint8)
-            found = self._gathered[key] = (rows, [row.view(dtype) for row in rows])
+            found = self._gathered[key] = (rows, tuple(row.view(dtype) for row in rows))
         return found
 
-    def scratches(self, nbytes: int, dtype: Any) -> List[np.ndarray]:
+    def scratches(self, nbytes: int, dtype: Any) -> Tuple[np.ndarray, ...]:
         """Every rank's first ``nbytes`` of scratch as ``dtype`` (kept per size, as
-        :meth:`gathered`'s)."""
+        :meth:`gathered`'s; a tuple, which the compiled sum takes as it is)."""
         key = (nbytes, dtype)
         found = self._scratches.get(key)
         if found is None:
             if len(self._scratches) >= 64:
                 self._scratches.clear()
             count = nbytes // np.dtype(dtype).itemsize
-            found = self._scratches[key] = [self.scratch(q, dtype)[:count]
-                                            for q in range(self.size)]
+            found = self._scratches[key] = tuple(self.scratch(q, dtype)[:count]
+                                                 for q in range(self.size))
         return found
 
-    def publish(self, flat: np.ndarray) -> Tuple[Call, List[np.ndarray]]:
+    def publish(self, flat: np.ndarray) -> Tuple[Call, Tuple[np.ndarray, ...]]:
         """An all-gather through the window, for one node (``shm``): ``flat`` copied into
         this rank's scratch and marked published for this collective (``serial``); the
-        call waits until every rank's is, and the list holds every rank's copy.
+        call waits until every rank's is, and the tuple holds every rank's copy.
 
         Only behind the order check: a rank writes its scratch once every rank started this
         collective, so every peer finished reading it in the one before."""
