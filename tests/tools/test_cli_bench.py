@@ -53,6 +53,9 @@ def test_tiny_model_small_sweeps_applicable_targets_files_in_out(tmp_path):
     assert nbytes < 1 << 17
     sizes = [row["bytes"] for row in res["size_sweep"]]
     assert sizes[0] == 4096 and sizes[-1] == 1 << math.ceil(math.log2(nbytes))
+    # shm on a plain array (staged) and on one in its window, as a buffer's storage is
+    assert all({"mpifusion_shm", "mpifusion_shm_in_window"} <= set(row)
+               and "mpifusion_thread_in_window" not in row for row in res["size_sweep"])
     groups = [row["group_mib"] for row in res["group_sweep"]]
     assert groups[0] == 0 and groups[-1] * (1 << 20) >= nbytes > groups[-2] * (1 << 20)
     # bandwidth-bound targets are not shown for 0.08 MB of grads, add_grad's is

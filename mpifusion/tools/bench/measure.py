@@ -267,10 +267,19 @@ def measure_small_buffers(b: Bench) -> None:
 
 
 def measure_size_sweep(b: Bench) -> None:
-    """One buffer of each size: the raw floor, a naive Iallreduce and each Communicator."""
+    """One array of each size: the raw floor, a naive Iallreduce and each Communicator on a
+    plain numpy array; ``shm`` and ``hierarchical`` also on an array in their shared window
+    (``_in_window``), as a buffer's storage is: a plain array is staged through the
+    stream's scratch, a copy in and a copy out."""
     b.say("# sweeping message sizes and fusion group sizes ...")
     sizes = b.s.size_sweep or auto_size_sweep(b.res["meta"]["grad_bytes"])
     comms = {s: Communicator(b.world, CommOptions(strategy=s)) for s in b.s.strategies}
+    windows = {}  # one region of the largest size per communicator that has windows
+    for s, c in comms.items():
+        region = c.reserve([(max(1, max(sizes) // 4), np.float32)], np.empty(0, np.float32),
+                           where=f"rank {b.comm.rank}: bench size sweep [{s}]")
+        if region:
+            windows[s] = region[0]
     rows = []
     segment = default_segment(b.comm)
     for size in sizes:
@@ -281,6 +290,10 @@ def measure_size_sweep(b: Bench) -> None:
                                                              [buf, MPI.FLOAT]).Wait()}
         for s, c in comms.items():
             fns[f"mpifusion_{s}"] = (lambda c=c: c.allreduce(buf).wait())
+            if s in windows:
+                shared = windows[s][:buf.size]
+                shared[...] = 0
+                fns[f"mpifusion_{s}_in_window"] = (lambda c=c, a=shared: c.allreduce(a).wait())
         row: Dict[str, Any] = {"bytes": size}
         for key, r in timeit_many(fns, b.comm, iters, max(1, b.s.warmup)).items():
             row[key] = {"median_s": r["median_s"], "algbw_GBps": algbw(size, r["median_s"]),
