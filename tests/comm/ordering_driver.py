@@ -194,8 +194,8 @@ def interleaved():
     order that needs the collective to progress without the caller: rank 0 starts it, then
     enters a barrier (and a send to the next rank) that the others reach only before they
     start it. A collective run on the caller at start would block rank 0 in it, the others
-    in the barrier: a deadlock. Buffers of 64 KiB and under (a waiting caller may run them
-    itself) and one above."""
+    in the barrier: a deadlock. Buffers a waiting caller may run itself (64 KiB and under;
+    shm: 1 MiB) and, for thread and nonblocking, one above."""
     for step, n in enumerate((100, 16_384, 3, 20_000)):
         buf, params = make(step, [(n,), (5,)], tag=f"il{step}_")
         if rank == 0:

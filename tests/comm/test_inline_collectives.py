@@ -143,3 +143,42 @@ def test_a_deadline_missed_hands_the_rest_to_the_thread(comm):
     again = np.full(7, rank + 1.0, np.float32)
     c.allreduce(again, name="next").wait()
     assert (again == n * (n + 1) / 2).all()
+
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout", [None, 60.0])
+def test_shm_collectives_up_to_a_mebibyte_may_run_on_the_waiting_caller(comm, timeout):
+    """shm: an all-reduce of up to SHM_INLINE_MAX_BYTES (above the thread strategy's 64 KiB)
+    is left for a waiting caller to run, polled under a deadline; one above it goes to the
+    comm thread; one that a rank starts and then leaves for a barrier that the others reach
+    first is finished by its thread. Every result is the exact sum, on every rank."""
+    from mpifusion.comm.communicator import SHM_INLINE_MAX_BYTES
+
+    n, rank = comm.Get_size(), comm.Get_rank()
+    c = Communicator(comm, CommOptions(strategy="shm", timeout=timeout))
+    assert c.strategy == "shm", c.shm_fallback
+    seen = _runners(c)
+    mid, big = SHM_INLINE_MAX_BYTES // 4, SHM_INLINE_MAX_BYTES // 4 + 1024
+    assert mid * 4 > INLINE_MAX_BYTES
+    region = c.reserve([(big, np.float32)], np.empty(0, np.float32))[0]
+    for name, count in (("mid", mid), ("big", big)):
+        x = region[:count]
+        x[...] = np.arange(count, dtype=np.float32) % 7 + rank
+        task = c.allreduce(x, name=name)
+        # by size and "deadline set", the same on every rank: a waiting caller polls it
+        assert task._op.polled == (timeout is not None and name == "mid"), name
+        task.wait()
+        want = (np.arange(count) % 7 * n + n * (n - 1) / 2).astype(np.float32)
+        assert np.array_equal(x, want), name
+    assert ("big", True) not in seen  # above the limit: always the comm thread
+    x = region[:mid]
+    x[...] = rank + 1.0
+    if rank == 0:
+        task = c.allreduce(x, name="left")
+        comm.Barrier()
+    else:
+        comm.Barrier()
+        task = c.allreduce(x, name="left")
+    task.wait()
+    assert (x == n * (n + 1) / 2).all()
