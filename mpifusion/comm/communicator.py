@@ -83,9 +83,10 @@ _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER:
 #: a blocking call, and MPI never matches a blocking collective with a non-blocking one)
 INLINE_MAX_BYTES = 64 << 10
 #: the same for the shared-window collectives (``shm``, ``hierarchical``): one of 1 MiB takes
-#: about as long as waking the thread (2 ranks, MPICH, started and waited at once: 1 MiB in
-#: a window 103 -> 74 us, 128 KiB 80 -> 44 us run by the caller). One that nobody waits for
-#: starts up to ``HANDOFF_S`` (2 ms) after it was started, when the thread takes it
+#: about as long as waking the thread (2 ranks, started and waited at once, x MPI's own
+#: Allreduce: 1 MiB in a window 0.78 -> 0.52 with MPICH, 1.41 -> 0.91 with Open MPI;
+#: BENCHMARKS.md). One that nobody waits for starts ``HANDOFF_S`` (2 ms) after it was
+#: started, when the thread takes it
 SHM_INLINE_MAX_BYTES = 1 << 20
 #: ``_start``'s ``way`` of the shm collectives (0: MPI calls), in the order check's fingerprint
 SHM_WAY = 1
