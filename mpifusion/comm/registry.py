@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from ..errors import CommTimeoutError
 from .engines import Engine, NonBlockingEngine, ThreadEngine
+from . import leaving
 from .health import forget
 from .shm import free_at_exit, release_memory
 from .poll import poll
@@ -35,6 +36,7 @@ _LIVE: Dict[int, MPI.Comm] = {}
 _DUPS_KEYVAL: Optional[int] = None
 _EXITING = False
 _REGISTRY_LOCK = threading.RLock()
+leaving.install()
 
 
 def _keyval() -> int:
@@ -171,13 +173,18 @@ def live_private_comms() -> int:
 
 @atexit.register
 def _stop_engines() -> None:
-    """Let started collectives finish (bounded) and stop the threads before MPI finalizes.
+    """Let started collectives finish (bounded) and stop the threads before MPI finalizes,
+    unless this process leaves on an error: then nothing here waits for a peer.
 
-    A communication thread still blocked in a collective that timed out or was abandoned
+    A process that leaves on an error (``leaving.on_error``: an uncaught exception, or
+    ``python -m mpi4py``'s pending abort after ``sys.exit(n)`` or an interrupt) stops its
+    engines without draining them; with an abort pending it aborts the job right here,
+    with the rank's status, before any later exit handler could block. A communication
+    thread still blocked in a collective that timed out, was abandoned or was never joined
     cannot be stopped, and MPI_Finalize under it crashes (SIGSEGV with MPICH): then the
     process says so and exits with status 1 without finalizing."""
     global _EXITING
-    quick = getattr(sys, "last_value", None) is not None  # exiting on an error
+    quick = leaving.on_error()
     blocked = []
     troubled = quick
     for engine in list(_ENGINES.values()):
@@ -196,6 +203,8 @@ def _stop_engines() -> None:
             blocked.append(engine)  # a collective the other ranks never joined
     _EXITING = True
     _ENGINES.clear()
+    if leaving.abort_status() and MPI.Is_initialized() and not MPI.Is_finalized():
+        leaving.abort_now()  # what mpi4py does after the last handler: do it before one blocks
     # shm windows, in creation order, where every rank exits cleanly (a vote: one that
     # exits stuck or with a collective abandoned votes no and leaves them to MPI_Finalize
     # or the abort, rather than hang its peers in MPI_Win_free). A rank exiting on an error
