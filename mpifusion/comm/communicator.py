@@ -183,6 +183,8 @@ class Communicator:
             options = options.with_(**overrides)
         self.control = private_comm(comm, "control", options.timeout)
         self.tracker = health.tracker_for(self.control)
+        #: options this rank cannot run with, raised after the agreement check (``open``)
+        self._bad_options: List[str] = []
         per_node, uneven = self._nodes(options)
         #: ``auto`` chose the strategy (its fallback is then no surprise: logged at info)
         self.auto = options.strategy == "auto"
@@ -237,9 +239,16 @@ class Communicator:
         if self.tracker.nodes is None:
             _, _, per, uneven = node_layout(self.control, None, options.timeout)
             self.tracker.nodes = (per, uneven)
+        size = self.control.Get_size()
         if options.node_size is not None:
-            node_layout(self.control, options.node_size, None)  # OptionError unless it fits
-            return options.node_size, ""
+            if size % options.node_size == 0:
+                return options.node_size, ""
+            # refused only once every rank compared its options (``open``): a value set on
+            # one rank alone is then an AgreementError on every rank, not an error here and
+            # a wait for this rank on the others
+            self._bad_options.append(
+                f"rank {self.control.Get_rank()}: node_size: expected a divisor of the "
+                f"communicator's {size} ranks, got {options.node_size}")
         return self.tracker.nodes
 
     def _agreement_entries(self) -> list:
@@ -277,6 +286,8 @@ class Communicator:
                     minimum=self.segment_bytes if self.options.segment_bytes is None else None)
                 if low is not None:
                     self.segment_bytes = low
+            if self._bad_options:  # every rank holds the same options: each raises this
+                raise OptionError(self._bad_options[0])
             if self.strategy in ("shm", "hierarchical"):
                 self._open_shm(where)
             tag = self._stream_tag()

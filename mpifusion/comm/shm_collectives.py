@@ -105,7 +105,13 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     row[0] = stream.serial
     row[1:DESC_WORDS] = desc
     row[DESC_WORDS], row[DESC_WORDS + 1] = serial, offset
-    yield from _barrier(stream)
+    # the barriers around the row check are non-blocking on every rank, whatever the size:
+    # a collective run polled (small, under a deadline) issues the non-blocking forms, and
+    # MPI never matches a blocking barrier with a non-blocking one -- ranks that started
+    # collectives of different sizes would otherwise wait for each other until the
+    # deadline instead of reading each other's rows
+    opening = Call("Ibarrier", comm=stream.barrier.comm)
+    yield from _barrier(stream, opening)
     rows = stream.rows()
     problem: Optional[Exception] = None
     if (rows[:, :DESC_WORDS] != rows[rank, :DESC_WORDS]).any():
@@ -124,16 +130,16 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
         # every rank read the same rows, so every rank raises this; but only after a barrier:
         # a rank that raised at once could start its next collective and rewrite its row
         # while a slower peer has not read this one yet
-        yield from _barrier(stream)
+        yield from _barrier(stream, opening)
         raise problem
     return arrays
 
 
-def _barrier(stream: ShmStream) -> Steps:
-    """A barrier of the node's ranks with the memory fences around it (see ``shm.py``,
-    memory ordering)."""
+def _barrier(stream: ShmStream, call: Optional[Call] = None) -> Steps:
+    """A barrier of the node's ranks (``call``: the stream's, else this form of it) with the
+    memory fences around it (see ``shm.py``, memory ordering)."""
     stream.window.sync()
-    yield stream.barrier
+    yield stream.barrier if call is None else call
     stream.window.sync()
 
 
