@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Type
+from typing import Iterator, Optional, Tuple, Type
 
 
 class FusionError(RuntimeError):
@@ -48,6 +48,11 @@ class CommTimeoutError(CommError, TimeoutError):
     """A collective did not finish within the buffer's deadline."""
 
 
+class CommLimitError(CommError):
+    """The MPI library ran out of something mpifusion needs for a new stream (its
+    communicators: MPICH has 2,048 context ids); the message names the limit."""
+
+
 class OracleMismatch(FusionError, AssertionError):
     """A checked implementation's results do not match the oracle's reference (names the params
     and ranks; ``report`` holds every statistic). An AssertionError too, so test runners show
@@ -77,7 +82,13 @@ class OracleWarning(UserWarning):
 
 class OrderError(CommError):
     """Ranks started different collectives at the same point of a communicator's stream
-    (another buffer, step, size or kind): nothing was exchanged, every rank raises it."""
+    (another buffer, step, size or kind): every rank raises it. ``steps``: where the ranks
+    started the same buffer's collective at different step serials, ``(lowest, highest)``
+    (a rank dropped a step; ``reset()`` then moves the buffer past ``highest``), else None."""
+
+    def __init__(self, message: str = "", steps: Optional[Tuple[int, int]] = None) -> None:
+        super().__init__(message)
+        self.steps = None if steps is None else (int(steps[0]), int(steps[1]))
 
 
 class AbandonedError(CommError):

@@ -38,9 +38,10 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 SHM = Path("/dev/shm")
 #: the MPI libraries' shared-memory segments (MPICH ch4 posix, Open MPI sm/vader, libfabric
-#: shm, PSM2)
+#: shm, PSM2) and the chunks of mpifusion's own shared-memory arena (comm/shm.py), unlinked once
+#: mapped: one is left only by a job killed while it made a chunk
 SHM_PATTERNS = ("mpich_shm_*", "mpich_vci_*", "sm_segment.*", "vader_segment.*", "fi_sm2_*",
-                "psm2_shm.*")
+                "psm2_shm.*", "mpifusion.*")
 #: the launchers' files in the temp folder (hydra's topology file, Open MPI's session folder)
 TMP_PATTERNS = ("hydra_hwloc_xmlfile_*", "ompi.*")
 #: a segment younger than this may be between its creation and its first mapping

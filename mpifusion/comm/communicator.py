@@ -58,13 +58,12 @@ from mpi4py import MPI
 from ..arrays import cuda
 from ..config import THREADED_STRATEGIES, CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
-from ..errors import AbandonedError, OptionError, StateError
+from ..errors import AbandonedError, CommLimitError, OptionError, StateError
 from ..machine import segment_for
 from . import health, order as order_mod, shm_collectives as shm_steps
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
-from .shm import (NodeMemory, ShmStream, agree_max, memory_for, node_layout,
-                  ranks_on_node)
+from .shm import NodeMemory, ShmStream, agree_max, memory_for, node_layout
 from .engines import ThreadEngine
 from .registry import engine_for, engines_of, private_comm, private_split
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
@@ -172,8 +171,8 @@ class Communicator:
         (``strategy``, ``segment_bytes``, ``timeout``, ``order``, ...) replace single fields.
         ``open=False`` defers the agreement check and the stream to :meth:`open` (a buffer
         adds its own description to the check). ``node_probe``: how many ranks of a
-        communicator share this rank's node (default ``shm.ranks_on_node``), for tests of
-        the ``shm`` fallback."""
+        communicator share this rank's node (default: the node layout probed once per
+        communicator, ``_nodes``), for tests of the ``shm`` fallback."""
         if not isinstance(comm, MPI.Comm):
             raise OptionError(f"comm_group: expected an mpi4py communicator, "
                               f"got {type(comm).__name__}")
@@ -314,12 +313,24 @@ class Communicator:
         hold equally many ranks, numbered node by node) and the stream's shared windows could
         be made, else fall back to ``thread`` -- decided by all ranks together (all-reduces),
         so every rank runs the same calls. ``node_size`` emulates nodes of that many ranks."""
-        world = private_comm(self.user_comm, "shm/memory", self.timeout)
+        try:
+            world = private_comm(self.user_comm, "shm/memory", self.timeout)
+        except MPI.Exception as exc:  # e.g. MPICH's 2,048 communicators all taken
+            error = CommLimitError(f"{where}: shm: a communicator for shared memory: the MPI "
+                                   f"library's limit was reached: {exc}")
+            if not self.auto:
+                raise error from exc
+            self._fall_back(str(error))
+            return
         node_size = self.options.node_size
         reason = ""
         if self.strategy == "shm":
-            probe = self._node_probe or ranks_on_node
-            here = node_size if node_size is not None else probe(world)
+            if node_size is not None:
+                here = node_size
+            elif self._node_probe is not None:
+                here = self._node_probe(world)
+            else:  # probed once per communicator (``_nodes``): no Split_type per buffer
+                here = self.tracker.nodes[0]
             spans, fewest = agree_max(world, [int(here < self.size), -here],
                                       f"{where}: shm", self.timeout)
             if spans:
@@ -350,6 +361,10 @@ class Communicator:
         if stream is not None:
             self._memory, self._shm = memory, stream
             return
+        self._fall_back(reason)
+
+    def _fall_back(self, reason: str) -> None:
+        """Run ``thread`` instead of ``shm`` (every rank agreed), saying why."""
         self.shm_fallback = reason
         logger.log(logging.INFO if self.auto else logging.WARNING,
                    "rank %d: strategy %r unavailable, using 'thread': %s",
@@ -368,7 +383,7 @@ class Communicator:
         where = where or f"rank {self.rank}: communicator"
         regions, reason = self._memory.reserve(sizes, where, wanted=type(like) is np.ndarray)
         if reason:
-            logger.warning("%s: storage not in a shared window (%s): its collectives stage "
+            logger.warning("%s: storage not in shared memory (%s): its collectives stage "
                            "it through the stream's scratch", where, reason)
         return regions
 
@@ -461,12 +476,11 @@ class Communicator:
         op = Collective(steps, name=name, rank=self.rank, keep=keep, window=self.window)
         task = CommTask(op, engine, timeout=self.timeout)
         if self._negotiator is not None:
-            if self.verify and self.size > 1:
+            if self.size > 1:
                 # the rounds agree on a slot, not on what each rank started in it: two
                 # collectives of one Communicator started in different orders would pair
                 # silently; checked as in the strict order, inside the round
-                op.steps = order_mod.verified_steps(op, desc, steps, self.comm,
-                                                    engine.check_words)
+                op.steps = self._checked(op, desc, steps, way)
             self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
                                    + _ITEM_KIND.get(desc[0], 3), op)
             return task
@@ -477,13 +491,27 @@ class Communicator:
         if inline and self.timeout is not None:
             op.polled = True  # the same on every rank: size and "timeout set" are agreed
             op.steps = steps = as_nonblocking(steps)
-        if self.verify and self.size > 1:
-            op.steps = order_mod.verified_steps(op, desc, steps, self.comm, engine.check_words)
+        if self.size > 1:
+            op.steps = self._checked(op, desc, steps, way)
         if inline:
             engine.submit(op, inline=True)  # a waiting caller may run it itself
         else:
             engine.submit(op)
         return task
+
+    def _checked(self, op: Collective, desc: Sequence[int], steps: Steps, way: int) -> Steps:
+        """``steps`` behind the order check (``verify_order``); without it, MPI calls get the
+        same check alongside the data (``order.serial_checked_steps``: the step serial is
+        always compared), before it under a deadline and across nodes; one node's
+        shared-window rows compare the step themselves."""
+        engine = self._engine
+        if self.verify:
+            return order_mod.verified_steps(op, desc, steps, self.comm, engine.check_words)
+        across = self._shm is not None and self._shm.cross is not None
+        if way != SHM_WAY or across:
+            return order_mod.serial_checked_steps(op, desc, steps, self.comm, engine,
+                                                  before=across or self.timeout is not None)
+        return steps
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
     def allreduce(self, buf: Any, scale: Optional[float] = None,

@@ -22,7 +22,7 @@ from ..errors import CommTimeoutError
 from .engines import Engine, NonBlockingEngine, ThreadEngine
 from . import leaving
 from .health import forget
-from .shm import free_at_exit, release_memory
+from .shm import release_memory
 from .poll import poll
 
 #: Engines by the handle of their private communicator (removed when it is freed).
@@ -64,12 +64,13 @@ def _release_dups(dups: dict, timeout: float = 30.0) -> None:
             engine.close(0.0 if _EXITING else timeout)
     for _tag, dup in items:
         handle = dup.py2f()
-        # the shm windows made on it (collective, creation order); where some are still
-        # held, the duplicate stays for the exit's vote on freeing them
-        kept = not _EXITING and release_memory(dup)
+        # the shm control windows made on it (collective, creation order: every rank frees
+        # the user's communicator) and its arena (local: unmapped as its regions go)
+        if not _EXITING:
+            release_memory(dup)
         forget(dup, None if _EXITING or MPI.Is_finalized() else timeout)
         _LIVE.pop(handle, None)
-        if not _EXITING and not MPI.Is_finalized() and not kept:
+        if not _EXITING and not MPI.Is_finalized():
             try:
                 dup.Free()
             except MPI.Exception:
@@ -182,14 +183,13 @@ def _stop_engines() -> None:
     with the rank's status, before any later exit handler could block. A communication
     thread still blocked in a collective that timed out, was abandoned or was never joined
     cannot be stopped, and MPI_Finalize under it crashes (SIGSEGV with MPICH): then the
-    process says so and exits with status 1 without finalizing."""
+    process says so and exits with status 1 without finalizing. Nothing collective runs
+    here: a peer may never come (it is still in its step, stopped, or gone)."""
     global _EXITING
     quick = leaving.on_error()
     blocked = []
-    troubled = quick
     for engine in list(_ENGINES.values()):
         if quick or engine.stuck or engine.abandoned is not None:
-            troubled = True
             engine.closed = True  # waiting only delays the abort
             if isinstance(engine, NonBlockingEngine):
                 engine.stop_thread()
@@ -205,13 +205,6 @@ def _stop_engines() -> None:
     _ENGINES.clear()
     if leaving.abort_status() and MPI.Is_initialized() and not MPI.Is_finalized():
         leaving.abort_now()  # what mpi4py does after the last handler: do it before one blocks
-    # shm windows, in creation order, where every rank exits cleanly (a vote: one that
-    # exits stuck or with a collective abandoned votes no and leaves them to MPI_Finalize
-    # or the abort, rather than hang its peers in MPI_Win_free). A rank exiting on an error
-    # does not even vote: a peer may never come to the vote (it withheld a grad, or is
-    # stopped), and under python -m mpi4py the abort that follows ends the job
-    if not quick:
-        free_at_exit(clean=not troubled and not blocked)
     if blocked and MPI.Is_initialized() and not MPI.Is_finalized():
         for stream in (sys.stdout, sys.stderr):
             try:

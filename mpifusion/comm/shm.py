@@ -1,73 +1,93 @@
-"""Shared memory of one node for the ``shm`` strategy: MPI-3 shared windows, who owns them,
-and the rules for freeing them.
+"""Shared memory of one node for the ``shm`` strategy: the buffers' arena, the streams'
+control windows, and the rules for freeing both.
 
 With ``strategy="shm"`` the ranks of a communicator that lies on one node keep their fused
-buffers in MPI-3 shared windows (``MPI_Win_allocate_shared``): every rank maps every other
-rank's segment, so a collective is plain loads and stores between two barriers
-(``shm_collectives.py``) instead of messages. Two kinds of windows, both made on the
-``shm/memory`` private duplicate of the user's communicator (the *node* communicator: the
-strategy is used only where it holds every rank, see :func:`ranks_on_node`):
+buffers in shared memory that every rank of the node maps, so a collective is plain loads and
+stores between two barriers (``shm_collectives.py``) instead of messages. Two kinds of
+shared memory, both per *node communicator* (the ``shm/memory`` private duplicate of the
+user's communicator: the strategy is used only where it holds every rank):
 
-* a buffer's storage (:meth:`NodeMemory.reserve`): its grad and param storage, made at buffer
-  construction, so ``add_grad`` writes straight into shared memory (no copy-in);
-* a stream's *control* window (:class:`ShmStream`): per rank one descriptor row -- which
-  collective it runs and where its array lies -- and a scratch segment that stages host
-  arrays that are not in a window (a user's own numpy array), chunk by chunk, and holds a
-  small all-reduce's copy of the rank's buffer (:meth:`ShmStream.publish`).
+* the buffers' storage (:meth:`NodeMemory.reserve`): regions of an :class:`Arena` that
+  mpifusion maps itself, made at buffer construction, so ``add_grad`` writes straight into
+  shared memory (no copy-in);
+* a stream's *control* window (:class:`ShmStream`, an MPI-3 shared window,
+  ``MPI_Win_allocate_shared``): per rank one descriptor row -- which collective it runs and
+  where its array lies -- and a scratch segment that stages host arrays that are not in the
+  arena (a user's own numpy array), chunk by chunk, and holds a small all-reduce's copy of
+  the rank's buffer (:meth:`ShmStream.publish`).
 
-Every window is made collectively, in an order all ranks share (buffer construction order,
-which the agreement check enforces), and gets a number from one counter: the *same* window
-has the same number on every rank, which is how a descriptor names it.
+Why the buffers are not MPI windows (issue 37): every MPI window holds one of the library's
+communicators (MPICH has 2,048 context ids) and ``MPI_Win_free`` is collective, so a window
+per buffer made the number of buffers a job may build in its life a budget, and freeing them
+needed a vote of every rank (hanging a job whose rank left early). And a window's pages are
+touched lazily: a check of ``statvfs`` free space counts an earlier window's untouched pages
+as free, and the first ``add_grad`` died of SIGBUS. So the only MPI windows are the control
+windows, one per stream of a user communicator (a handful), freed when the user communicator
+is released; and the arena is built on plain files:
 
-Lifetime (``MPI_Win_free`` is collective, so every rank must free the same windows in the
-same order): nothing is freed when a buffer is closed or dropped -- its grads and params
-stay readable, and they are views of the window. :func:`release_memory` (run by
-``mpifusion.comm.release(comm)`` and when the user frees ``comm``) frees, in creation order,
-the windows whose memory no rank still holds an array of (one agreed all-reduce); the others
-stay mapped until exit, where :func:`free_at_exit` frees every window left, in creation order,
-if every rank votes that it exits cleanly (one that exits on an error, stuck or after an
-abandoned collective votes no: MPI_Finalize or the abort cleans up). So with ``shm`` a
-buffer's window stays mapped for the buffer's lifetime: ``release_grads``,
-``clear_grad_storage`` and ``clear_param_storage`` give the region's pages back
-(:func:`punch`, local), and the next allocation reuses the same region, zeroed. Both MPIs here back a window with a file in /dev/shm that
-they unlink as soon as every rank mapped it (MPICH ``mpich_shar_tmp*``, Open MPI
-``osc_sm.*``), so a killed job leaves nothing of mpifusion's there (measured: issue 29).
+* A *chunk* is one file per rank in /dev/shm, ``mpifusion.<token>.<chunk>.<rank>``, created
+  ``O_EXCL`` (the token is agreed over the node communicator when its arena is made: rank
+  0's random number), given its blocks at once with ``posix_fallocate`` (no space: ENOSPC
+  now, agreed by every rank -> that buffer uses private memory with a warning; never SIGBUS
+  later), mapped by its owner and -- after an all-reduce that says every file exists -- by
+  every peer (the names are deterministic, nothing is exchanged); after a second all-reduce
+  (every rank mapped every file) each owner unlinks its file, so a killed job leaves
+  nothing. The owner keeps one descriptor per chunk (to reserve pages again); the peers'
+  mappings keep none (mapped with libc's ``mmap``, then closed: Python's ``mmap`` would
+  keep a descriptor per mapping).
+* A buffer's regions are one extent of this rank's part of a chunk, placed first-fit
+  (offsets may differ between ranks: a descriptor row carries each rank's chunk and offset,
+  see :meth:`NodeMemory.locate` and :meth:`NodeMemory.peer_array`). Growing the arena is
+  collective and agreed (one rank short: every rank adds a chunk of the same size).
+* Freeing is local, never collective: when a region's array is gone (a ``weakref``
+  finalizer: the buffer, its grads and every view of them were dropped) its pages are given
+  back (:func:`punch`) and its extent is reused by a later buffer, after
+  ``posix_fallocate`` reserved its pages again (no space then: that buffer falls back as
+  above). ``release_grads``, ``clear_grad_storage`` and ``clear_param_storage`` punch a
+  region that stays the buffer's; :func:`refill` reserves it again before it is reused
+  (``BufferMemory.zeros``). A chunk stays mapped (its free pages given back) until the user
+  communicator is released; its mappings go when the last region in it is gone.
+
+So a user communicator costs a constant number of MPI communicators (its private duplicates
+and one control window per stream) whatever number of buffers it carries, and nothing
+collective runs at exit: both MPIs finalize cleanly with control windows still allocated
+and locked (measured, issue 37), so nothing of this module runs at exit.
 
 Memory ordering: MPI's unified memory model (both MPIs here) makes stores to a window visible
 to the other processes, but only ``MPI_Win_sync`` orders them against the barrier that tells
-a peer it may read (the standard's shared-memory example: sync, barrier, sync); every window
-is locked once (``Lock_all(MODE_NOCHECK)``: MPICH refuses ``Win_sync`` outside a
+a peer it may read (the standard's shared-memory example: sync, barrier, sync); every control
+window is locked once (``Lock_all(MODE_NOCHECK)``: MPICH refuses ``Win_sync`` outside a
 passive-target epoch). The collectives sync one window, the stream's, on each side of every
-barrier: in the unified model
-``Win_sync`` is a full processor memory barrier in both libraries (MPICH
-``MPL_atomic_read_write_barrier``, Open MPI ``opal_atomic_mb``), which orders every load and
-store of the process, whichever window it touches. Each sync is an MPI call that gives up the
+barrier: in the unified model ``Win_sync`` is a full processor memory barrier in both
+libraries (MPICH ``MPL_atomic_read_write_barrier``, Open MPI ``opal_atomic_mb``), which
+orders every load and store of the process, whichever memory it touches -- a window's or
+the arena's, which are the same kind of memory (``MAP_SHARED`` pages of a tmpfs file,
+coherent between the processes' cores like a window's). That is why moving the buffers out of
+MPI windows changes nothing in the collectives. Each sync is an MPI call that gives up the
 GIL; syncing every window involved cost ~20 us per call here once the communication thread
 competed for it.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
+import secrets
 import sys
 import tempfile
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import OptionError
+from .arena import (CHUNK_BYTES, PAGE, SHM_FOLDER, Arena, Chunk, free_bytes,
+                    live_regions, punch, refill, round_up)
 from .call import Call
 from .health import wait_request
 from .poll import never_moves, poll
 
-#: every window's segment (and every region in it) starts on its own page: aligned for any
-#: dtype (and backend.BASE_ALIGNMENT), and its first touch by the owner places it on the
-#: owner's NUMA node
-PAGE = 4096
 #: a stream's descriptor row: int64 words per rank (one cache-line pair, so rows never share
 #: a line); the fields are ``ROW_FIELDS``
 ROW_WORDS = 16
@@ -85,19 +105,11 @@ PUBLISHED_WORD = ROW_WORDS - 1
 SCRATCH_BYTES = 1 << 20
 #: where the scratch starts in a rank's segment of the control window
 SCRATCH_OFFSET = PAGE
-#: where the MPI libraries put shared windows (MPICH and Open MPI: a file in /dev/shm)
-SHM_FOLDER = "/dev/shm"
 
-_SERIAL = itertools.count()  # creation order of the NodeMemory objects of this process
+
 _LOCK = threading.Lock()
-#: released node communicators whose windows a rank still held arrays of: freed at exit
-_KEPT: List["NodeMemory"] = []
 #: NodeMemory by the handle of its node communicator (the ``shm/memory`` duplicate)
 _MEMORY: Dict[int, "NodeMemory"] = {}
-
-
-def round_up(n: int, unit: int = PAGE) -> int:
-    return -(-n // unit) * unit
 
 
 def ranks_on_node(comm: MPI.Comm) -> int:
@@ -157,46 +169,6 @@ def node_layout(comm: MPI.Comm, node_size: Optional[int],
     return rank // per, local, per, ""
 
 
-def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
-    """Bytes free in the file system that backs shared windows (None: unknown). A window
-    larger than that maps fine and then kills the process with SIGBUS at the first touch of a
-    missing page (a container's /dev/shm is often 64 MiB), so it is checked beforehand."""
-    try:
-        st = os.statvfs(folder)
-    except (OSError, AttributeError):
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-_MADV_REMOVE = 9  # Linux: free a shared mapping's pages and their backing store
-
-
-def _libc_madvise() -> Optional[Callable[..., int]]:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
-
-
-def punch(region: np.ndarray) -> bool:
-    """Give a window region's pages back to the system (``madvise(MADV_REMOVE)``: the
-    shared memory behind them is freed and they read as zeros when touched again), so
-    ``release_grads`` saves memory with ``shm`` as it does with fresh arrays. Local: the
-    window stays mapped on every rank. ``region`` starts on a page and owns the rest of its
-    last page (``NodeMemory.reserve``). False where the system refused (then nothing
-    changed and the region keeps its values)."""
-    addr = region.ctypes.data
-    if _MADVISE is None or addr % PAGE or region.nbytes == 0:
-        return False
-    return _MADVISE(addr, round_up(region.nbytes), _MADV_REMOVE) == 0
-
-
 #: what Open MPI 5's osc/ucx component prints on every window where UCX was not initialised
 #: (its ob1 transport runs), while osc/sm makes the window: harmless, and the only such line
 OSC_UCX_NOTICE = "OSC UCX component priority set inside component query failed"
@@ -232,10 +204,10 @@ def _without_osc_ucx_notice() -> Iterator[None]:
 
 class SharedWindow:
     """One MPI-3 shared window of ``nbytes`` per rank, with every rank's segment as a numpy
-    byte array (``segments[r]``). ``internal``: mpifusion's own (a stream's control window),
-    never handed out; ``serial``: its place in its node communicator's creation order, which
-    is what names it across ranks (a process-wide count would differ between ranks that
-    built windows on other communicators: a rank would then map another window)."""
+    byte array (``segments[r]``): a stream's control window (the buffers' storage is the
+    arena's, see the module doc). ``internal``: mpifusion's own, never handed out (every
+    window made here is); ``serial``: its place in its node communicator's creation order,
+    the same on every rank."""
 
     def __init__(self, comm: MPI.Comm, nbytes: int, serial: int,
                  internal: bool = False) -> None:
@@ -264,14 +236,6 @@ class SharedWindow:
     def sync(self) -> None:
         """Order this process's loads and stores on the window against the barriers."""
         self.win.Sync()
-
-    def held(self) -> bool:
-        """Whether an array of this rank's segment is still alive outside this object (a
-        buffer's grads, params, or a view a user kept): freeing would unmap it."""
-        if self.internal:
-            return False
-        # references: self.segments, self.mine, getrefcount's argument
-        return sys.getrefcount(self.mine) > 3
 
     def free(self) -> None:
         """``MPI_Win_free`` (collective over the node communicator)."""
@@ -422,30 +386,40 @@ class _Arrivals:
             poll(self.Test, moves=never_moves)
 
 
+# ---------------------------------------------------------------------------- the arena
+
 class NodeMemory:
-    """The shared windows of one user communicator, made on its node communicator ``comm``
-    (a private duplicate holding the same ranks, all on one node), in creation order."""
+    """The shared memory of one user communicator, made on its node communicator ``comm``
+    (a private duplicate holding the same ranks, all on one node): the buffers' arena and
+    the streams' control windows."""
 
     def __init__(self, comm: MPI.Comm, timeout: Optional[float] = None) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timeout = timeout
-        self.windows: Dict[int, SharedWindow] = {}   # by serial (the same on every rank)
+        self.windows: Dict[int, SharedWindow] = {}   # control windows, by serial
         self.streams: Dict[str, ShmStream] = {}      # by stream tag
-        self.serial = next(_SERIAL)  # creation order of the NodeMemory objects (exit frees)
         self._window_serials = itertools.count()     # windows made on ``comm``, in order
+        self._arena: Optional[Arena] = None
 
     # -- agreement (every decision that changes the calls is taken by all ranks together)
     def agree_max(self, values: Sequence[int], what: str, bounded: bool = True) -> np.ndarray:
-        """:func:`agree_max` over the node: ``bounded`` by the communicator's timeout at
-        construction; unbounded when freeing, as ``MPI_Win_free`` itself is (a rank that gave
-        up would leave the request posted, a late peer would complete it and then wait in a
-        ``Win_free`` this rank never calls)."""
+        """:func:`agree_max` over the node, bounded by the communicator's timeout (``bounded``
+        False: unbounded)."""
         return agree_max(self.comm, values, what, self.timeout if bounded else None)
 
-    # -- windows
-    def allocate(self, nbytes: int, internal: bool = False) -> SharedWindow:
+    def arena(self, where: str) -> Arena:
+        """The buffers' arena (made on first use: one all-reduce agrees on rank 0's token,
+        which names the files)."""
+        if self._arena is None:
+            mine = (secrets.randbits(47) | 1) if self.rank == 0 else 0
+            token = int(self.agree_max([mine], f"{where}: shared memory")[0])
+            self._arena = Arena(self, token)
+        return self._arena
+
+    # -- control windows (MPI windows: one per stream)
+    def allocate(self, nbytes: int, internal: bool = True) -> SharedWindow:
         """A new window of ``nbytes`` per rank (collective, in the shared order)."""
         win = SharedWindow(self.comm, round_up(max(nbytes, 1)), next(self._window_serials),
                            internal)
@@ -453,12 +427,13 @@ class NodeMemory:
         return win
 
     def allocate_agreed(self, nbytes: int, where: str, wanted: bool = True,
-                        internal: bool = False) -> Tuple[Optional[SharedWindow], str]:
-        """A new window of ``nbytes`` per rank, or ``(None, reason)`` where the ranks agreed
-        not to make one (collective: an all-reduce, the allocation, an all-reduce). Refused
-        where a rank does not want it, or where the file system behind the windows lacks
-        space for every rank's segment (see :func:`free_bytes`); given up where
-        ``MPI_Win_allocate_shared`` fails on a rank."""
+                        internal: bool = True) -> Tuple[Optional[SharedWindow], str]:
+        """A new MPI window of ``nbytes`` per rank, or ``(None, reason)`` where the ranks
+        agreed not to make one (collective: an all-reduce, the allocation, an all-reduce).
+        Refused where a rank does not want it, or where /dev/shm lacks space for every rank's
+        segment (its pages are written now, and the arena's are reserved, so the check
+        holds); given up where ``MPI_Win_allocate_shared`` fails on a rank (a library limit
+        such as MPICH's 2,048 communicators included)."""
         total = round_up(max(nbytes, 1))
         free = free_bytes()
         short = int(free is not None and total * self.size > free)
@@ -466,7 +441,7 @@ class NodeMemory:
         if unwanted:
             return None, "not every rank's arrays are host arrays"
         if short:
-            return None, (f"{total * self.size} bytes of shared windows needed on the node, "
+            return None, (f"{total * self.size} bytes of shared windows wanted on the node, "
                           f"{SHM_FOLDER} has less free on some rank ({free} on rank "
                           f"{self.rank})")
         error = ""
@@ -483,142 +458,131 @@ class NodeMemory:
             return None, error or "MPI_Win_allocate_shared failed on another rank"
         return win, ""
 
+    # -- the buffers' regions
     def reserve(self, sizes: Sequence[Tuple[int, Any]], where: str,
                 wanted: bool = True) -> Tuple[List[Any], str]:
-        """Regions of one new window for arrays of ``(numel, dtype)``, each zeroed and on
-        its own page; or ``([], reason)`` (see :meth:`allocate_agreed`; no reason where
-        there is nothing to place or a rank's arrays are not host arrays)."""
+        """Regions of the arena for arrays of ``(numel, dtype)``, each zeroed, on its own
+        page, its pages reserved (collective: one all-reduce, two more where the arena grows);
+        or ``([], reason)`` where the ranks agreed not to (no reason where there is nothing
+        to place or a rank's arrays are not host arrays)."""
         offsets, total = [], 0
         for numel, dtype in sizes:
             offsets.append(total)
             total += round_up(int(numel) * np.dtype(dtype).itemsize)
         if total == 0:  # the same on every rank: the sizes are agreed
             return [], ""
-        win, reason = self.allocate_agreed(total, where, wanted)
-        if win is None:
-            return [], reason if wanted else ""
-        # each region is an array of its own over the window's memory (not a view of
-        # ``mine``): views of it then keep *it* as their base, so its reference count says
-        # whether anything still uses it (see ``BufferMemory.release``)
-        pages = memoryview(win.mine)
-        return [np.frombuffer(pages[o:o + int(n) * np.dtype(d).itemsize], dtype=d)
-                for o, (n, d) in zip(offsets, sizes)], ""
+        arena = self.arena(where)
+        chunk, off, err = arena.place(total) if wanted else (None, 0, 0)
+        # one all-reduce: does every rank want it, has every rank room, could every rank
+        # reserve its room's pages again (a reused extent), and the least space free
+        unwanted, grow, refused, most_free = self.agree_max(
+            [int(not wanted), int(chunk is None and not err), int(err != 0),
+             -(free_bytes() or 0)], f"{where}: shared memory")
+        if unwanted or refused:
+            if chunk is not None:
+                arena.unplace(chunk, off, total)
+            if unwanted:
+                return [], ""
+            return [], (f"{total * self.size} bytes of shared memory wanted on the node "
+                        f"({total} per rank), {SHM_FOLDER} has {-int(most_free)} free "
+                        f"on some rank")
+        if grow:  # some rank has no room: every rank adds a chunk (the same size)
+            new, reason = arena.grow(max(total, CHUNK_BYTES), where)
+            if new is None:
+                if chunk is not None:
+                    arena.unplace(chunk, off, total)
+                return [], reason
+            if chunk is None:
+                with arena._lock:
+                    chunk, off = new, new.take(total)
+        regions = []
+        pages = arena.region(chunk, off, total)
+        for o, (numel, dtype) in zip(offsets, sizes):
+            nbytes = int(numel) * np.dtype(dtype).itemsize
+            region = np.frombuffer(pages[o:o + nbytes], dtype=dtype)
+            # each region is an array of its own (its base a memoryview, not another array):
+            # views of it keep *it* as their base, so its reference count says whether
+            # anything still uses it (``BufferMemory.release``), and it dies with the last
+            arena.track(region, chunk, off + o, nbytes)
+            regions.append(region)
+        return regions, ""
 
     def stream(self, tag: str, where: str) -> Tuple[Optional[ShmStream], str]:
         """The shm state of stream ``tag`` (made on first use: collective, in the shared
         order of Communicator construction), or ``(None, reason)``."""
         state = self.streams.get(tag)
         if state is None:
-            win, reason = self.allocate_agreed(SCRATCH_OFFSET + SCRATCH_BYTES, where,
-                                               internal=True)
+            win, reason = self.allocate_agreed(SCRATCH_OFFSET + SCRATCH_BYTES, where)
             if win is None:
                 return None, reason
             state = self.streams[tag] = ShmStream(self, win)
         return state, ""
 
     def locate(self, arr: Any) -> Tuple[int, int]:
-        """``(window serial, byte offset)`` of a C-contiguous numpy array that lies in this
-        rank's segment of one of the windows, else ``(-1, 0)``."""
-        if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
+        """``(chunk serial, byte offset)`` of a C-contiguous numpy array that lies in this
+        rank's part of one of the arena's chunks, else ``(-1, 0)``."""
+        if type(arr) is not np.ndarray or not arr.flags.c_contiguous or self._arena is None:
             return -1, 0
         ptr = arr.__array_interface__["data"][0]
-        end = ptr + arr.nbytes
-        for serial, win in self.windows.items():
-            if not win.internal and win.base <= ptr and end <= win.base + win.mine.nbytes:
-                return serial, ptr - win.base
-        return -1, 0
+        return self._arena.locate(ptr, ptr + arr.nbytes)
 
     def peer_array(self, serial: int, rank: int, offset: int, count: int,
                    dtype: Any) -> Optional[np.ndarray]:
-        """Rank ``rank``'s array of ``count`` ``dtype`` elements at ``offset`` of window
-        ``serial``; None where that does not lie inside the window (a bad descriptor)."""
-        win = self.windows.get(serial)
+        """Rank ``rank``'s array of ``count`` ``dtype`` elements at ``offset`` of chunk
+        ``serial``; None where that does not lie inside the chunk (a bad descriptor)."""
+        chunk = self._arena.chunks.get(serial) if self._arena is not None else None
         nbytes = count * np.dtype(dtype).itemsize
-        if win is None or win.internal or offset < 0 or offset + nbytes > win.nbytes:
+        if chunk is None or offset < 0 or offset + nbytes > chunk.nbytes:
             return None
-        return win.segments[rank][offset:offset + nbytes].view(dtype)
+        return chunk.segments[rank][offset:offset + nbytes].view(dtype)
 
     def window(self, serial: int) -> Optional[SharedWindow]:
         return self.windows.get(serial)
 
-    def release(self) -> bool:
-        """Free (collectively, in creation order) the windows no rank holds arrays of; True
-        where some are kept for :func:`free_at_exit` (``comm`` must then stay alive for its
-        vote). The engines of the streams were closed first."""
-        live = [self.windows[s] for s in sorted(self.windows)]
+    def release(self) -> None:
+        """The user communicator is being freed (collective; the engines of the streams were
+        closed first): free the control windows, in creation order (nothing else uses them),
+        and forget the arena -- its chunks are unmapped as their last regions go (a buffer a
+        user keeps stays readable; it cannot communicate any more)."""
         self.streams = {}
-        if not live:
-            return False
-        try:
-            held = self.agree_max([int(w.held()) for w in live], "releasing shared windows",
-                                  bounded=False)
-        except MPI.Exception:
-            return True  # not agreed: every window waits for the exit
-        for win, keep in zip(live, held.tolist()):
-            if not keep:
-                win.free()
-                del self.windows[win.serial]
-        return bool(self.windows)
-
-    def free_all(self, clean: bool) -> None:
-        """At exit: free every window left, in creation order, if every rank exits cleanly
-        (a vote: a rank that votes no leaves them to MPI_Finalize or the abort instead of
-        hanging the others in Win_free). The vote waits for every rank as MPI_Finalize does."""
-        try:
-            troubled = self.agree_max([int(not clean)], "freeing shared windows at exit",
-                                      bounded=False)[0]
-        except MPI.Exception:
-            return
-        if not troubled:
-            for serial in sorted(self.windows):
-                self.windows[serial].free()
+        for serial in sorted(self.windows):
+            self.windows[serial].free()
         self.windows = {}
+        if self._arena is not None:
+            # no collective runs on these chunks any more: the peers' mappings and this
+            # rank's descriptors go now; this rank's part stays mapped while a region of it
+            # is alive (a grad a user kept), and goes with the last one
+            for chunk in self._arena.chunks.values():
+                chunk.segments = [chunk.mine]
+                chunk.close()
+            self._arena.chunks = {}
+            self._arena = None
 
 
 def memory_for(comm: MPI.Comm, timeout: Optional[float] = None) -> NodeMemory:
-    """The NodeMemory of a node communicator (made on first use: collective)."""
+    """The NodeMemory of a node communicator (made on first use)."""
     with _LOCK:
         memory = _MEMORY.get(comm.py2f())
-    if memory is None:
-        memory = NodeMemory(comm, timeout)
-        with _LOCK:
-            _MEMORY[comm.py2f()] = memory
+        if memory is None:
+            memory = _MEMORY[comm.py2f()] = NodeMemory(comm, timeout)
     return memory
 
 
-def release_memory(comm: MPI.Comm) -> bool:
-    """``comm`` is about to be freed: release the windows made on it (collective; see
-    :meth:`NodeMemory.release`). True where windows were kept until exit: then ``comm``
-    must not be freed (the exit's vote runs on it). False for a communicator without any."""
+def release_memory(comm: MPI.Comm) -> None:
+    """``comm`` is about to be freed: free its control windows, forget its arena
+    (collective; see :meth:`NodeMemory.release`)."""
     with _LOCK:
         memory = _MEMORY.pop(comm.py2f(), None)
-    if memory is None or MPI.Is_finalized():
-        return False
-    kept = memory.release()
-    if kept:
-        with _LOCK:
-            _KEPT.append(memory)
-    return kept
-
-
-def free_at_exit(clean: bool) -> None:
-    """Free every window left, node communicator by node communicator in creation order
-    (collective; see :meth:`NodeMemory.free_all`). ``clean``: this rank exits normally."""
-    with _LOCK:
-        left = sorted(list(_MEMORY.values()) + _KEPT, key=lambda m: m.serial)
-        _MEMORY.clear()
-        _KEPT.clear()
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        for memory in left:
-            memory.free_all(clean)
+    if memory is not None and not MPI.Is_finalized():
+        memory.release()
 
 
 def live_windows() -> int:
-    """Windows not freed yet (for leak checks and tests)."""
+    """MPI windows not freed yet (the streams' control windows: for leak checks and tests)."""
     with _LOCK:
-        return sum(len(m.windows) for m in list(_MEMORY.values()) + _KEPT)
+        return sum(len(m.windows) for m in _MEMORY.values())
 
 
-__all__ = ["NodeMemory", "SharedWindow", "ShmStream", "agree_max", "free_at_exit",
-           "free_bytes", "live_windows", "memory_for", "node_layout", "punch",
-           "ranks_on_node", "release_memory"]
+__all__ = ["Arena", "Chunk", "NodeMemory", "SharedWindow", "ShmStream", "agree_max",
+           "free_bytes", "live_regions", "live_windows", "memory_for",
+           "node_layout", "punch", "ranks_on_node", "refill", "release_memory"]

@@ -43,7 +43,7 @@ from ..arrays import backend, halfcast
 from ..dtypes import HALF, float32
 from ..errors import CommError, OrderError
 from .call import Call, Steps
-from .order import order_message
+from .order import order_error
 from .shm import DESC_WORDS, ShmStream
 
 #: predefined MPI types of the accumulators (fp32, fp64), by dtype.char
@@ -115,7 +115,7 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     rows = stream.rows()
     problem: Optional[Exception] = None
     if (rows[:, :DESC_WORDS] != rows[rank, :DESC_WORDS]).any():
-        problem = OrderError(order_message(rank, rows[:, :DESC_WORDS], name))
+        problem = order_error(rank, rows[:, :DESC_WORDS], name)  # steps named, if they differ
     arrays: List[Optional[np.ndarray]] = []
     for q in range(stream.size):
         where, off = int(rows[q, DESC_WORDS]), int(rows[q, DESC_WORDS + 1])

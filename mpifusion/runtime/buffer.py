@@ -270,6 +270,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         return self._comm
 
     @property
+    def step(self) -> int:
+        """The step serial: 0 at construction, one more at every ``scale_grads()`` and
+        ``reset()``; each collective carries it and the ranks compare it (``OrderError``)."""
+        return self._step
+
+    @property
     def checked_in(self) -> int:
         """Params that finished all ``acc_steps`` micro-steps this step."""
         return self._checkin.count
@@ -529,7 +535,13 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @_locked
     def reset(self, abandon: bool = False, zero_grads: bool = False) -> None:
-        """Start the step afresh after an error: counters to zero, grads kept (or zeroed).
+        """End the step on this rank, unfinished: counters to zero, grads kept (or zeroed),
+        and the step serial advances (:attr:`step`), as after ``scale_grads()``, so the next
+        collective carries the next serial and can never pair silently with a peer's
+        collective of the dropped step: a rank that resets alone makes the next collective an
+        ``OrderError`` on every rank. After an ``OrderError`` naming two serials
+        (``steps``), the serial moves past the higher one, so ranks that all reset after it
+        are in step again.
 
         A collective still in flight (after ``CommTimeoutError``) is refused unless
         ``abandon=True``: MPI cannot cancel a collective, so the abandoned one stays
@@ -561,6 +573,10 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                            "on this communicator refuse to run (AbandonedError)", self._where(),
                            self._step)
         failed = task is not None and not pending and task.error is not None
+        ahead = getattr(task.error, "steps", None) if failed else None
+        # the step ends here: its serial is never reused (issue 37); past a peer's serial
+        # named by an OrderError, where every rank saw the same error
+        self._step = max(self._step + 1, ahead[1] + 1 if ahead is not None else 0)
         if pending or failed:  # the full grads, not the shard that got no result
             if self._pre_comm_grads is not None:
                 self.grad_storage = self._pre_comm_grads

@@ -7,6 +7,7 @@ param's data and grad become views of its slot, so frameworks write straight int
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import threading
 from typing import Any, List, Optional, Sequence
@@ -14,11 +15,13 @@ from typing import Any, List, Optional, Sequence
 from mpi4py import MPI
 
 from ..arrays import backend
-from ..comm.shm import punch
+from ..comm.shm import punch, refill
 from ..errors import LayoutError, error_context
 from ..plan.grouping import grad_dtype_for
 from ..plan.layout import FlatLayout, Slot, plan_flat, plan_sharded
 from .param import Param
+
+logger = logging.getLogger("mpifusion")
 
 
 def world_rank() -> int:
@@ -99,23 +102,36 @@ _UNUSED_REFS = _unused_probe()
 
 class BufferMemory:
     """Where a buffer's flat storage comes from: fresh arrays (``backend.zeros``), or, with
-    the ``shm`` strategy, the regions of a shared window the communicator reserved at
-    construction (``Communicator.reserve``: zero, and untouched where the system allows),
-    handed out zeroed on every (re)allocation. The window stays mapped for the buffer's
-    lifetime (freeing it is collective), but ``release_grads``, ``clear_grad_storage``,
-    ``clear_param_storage`` and dropping the buffer (``FusedCommBuffer.__del__``) give a
-    region's pages back (:meth:`release`), so the memory behaves as with fresh arrays."""
+    the ``shm`` strategy, the regions of the node's shared arena the communicator reserved at
+    construction (``Communicator.reserve``: zero, their pages reserved), handed out zeroed on
+    every (re)allocation. A region stays the buffer's for its lifetime, but
+    ``release_grads``, ``clear_grad_storage``, ``clear_param_storage`` and dropping the
+    buffer (``FusedCommBuffer.__del__``) give its pages back (:meth:`release`), so the
+    memory behaves as with fresh arrays; a region whose pages went back has them reserved
+    again (``shm.refill``) before it is handed out, or -- /dev/shm full by then -- the
+    buffer gets a fresh private array instead (a warning; its collectives stage it), never a
+    region whose first write would be SIGBUS."""
 
     def __init__(self, param: Any = None, grad: Any = None) -> None:
         self.regions = {"param": param, "grad": grad}
         #: regions that read as zeros already (fresh, or their pages given back)
         self.zeroed = {"param": param is not None, "grad": grad is not None}
+        #: regions whose pages were given back (:func:`punch`): reserved again before reuse
+        self.punched = {"param": False, "grad": False}
 
     def zeros(self, which: str, numel: int, dtype: Any, like: Any) -> Any:
         """``numel`` zeros of ``dtype`` for the ``which`` ("param"/"grad") storage."""
         region = self.regions[which]
         if region is None or region.size != numel or region.dtype != dtype:
             return backend.zeros(numel, dtype, like)
+        if self.punched[which]:
+            why = refill(region)
+            if why:
+                logger.warning("rank %d: %s storage: its shared-memory region cannot be "
+                               "reused (%s): using private memory, its collectives stage it "
+                               "through the stream's scratch", world_rank(), which, why)
+                return backend.zeros(numel, dtype, like)
+            self.punched[which] = False
         if not self.zeroed[which]:
             region[...] = 0
         self.zeroed[which] = False
@@ -131,7 +147,7 @@ class BufferMemory:
             return True
         if sys.getrefcount(self.regions[which]) > _UNUSED_REFS:
             return False
-        self.zeroed[which] = punch(self.regions[which])
+        self.zeroed[which] = self.punched[which] = punch(self.regions[which])
         return True
 
     def release_all(self) -> bool:

@@ -223,3 +223,40 @@ def test_allreduce_auto_picks_ring_for_nonblocking_on_open_mpi_only():
         "ring" if open_mpi and has_isendrecv() else "mpi")
     assert allreduce_way("mpi", "nonblocking") == "mpi"
     assert allreduce_way("ring", "thread") == "ring"
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_shm_collectives_in_arena_regions(dtype):
+    """``shm``: arrays in the node's shared arena (``Communicator.reserve``: regions of
+    chunks mapped by every rank, at offsets that differ between ranks once one rank keeps a
+    region alive) reduce in place, against the float64 reference, at the awkward sizes."""
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("shm strategy needs MPI_THREAD_MULTIPLE")
+    comm = Communicator(MPI.COMM_WORLD, CommOptions(strategy="shm", segment_bytes=SEGMENT))
+    if comm.strategy != "shm":
+        pytest.skip(f"shm unavailable here: {comm.shm_fallback}")
+    rank, size = comm.rank, comm.size
+    skew = comm.reserve([(777, np.float64)], np.empty(0))  # rank 0 only keeps it
+    if rank != 0:
+        del skew
+    for numel in SIZES:
+        (buf,) = comm.reserve([(numel, dtype)], np.empty(0))
+        assert comm.in_shared_window(buf)
+        buf[...] = values(rank, numel, dtype)
+        comm.allreduce(buf, scale=1.0 / size).wait(timeout=60)
+        np.testing.assert_array_equal(buf, expected(numel, dtype, size, 1.0 / size),
+                                      err_msg=f"allreduce of {numel}")
+    for shard in (1, 5, 37):
+        numel = shard * size
+        send, recv = comm.reserve([(numel, dtype), (shard, dtype)], np.empty(0))
+        send[...] = values(rank, numel, dtype)
+        comm.reduce_scatter(send, recv, scale=0.5).wait(timeout=60)
+        want = expected(numel, dtype, size, 0.5)[rank * shard:(rank + 1) * shard]
+        np.testing.assert_array_equal(recv, want, err_msg=f"shard of {shard}")
+        (buf,) = comm.reserve([(numel, dtype)], np.empty(0))
+        full = np.concatenate([values(r, shard, dtype) for r in range(size)])
+        buf[rank * shard:(rank + 1) * shard] = full[rank * shard:(rank + 1) * shard]
+        comm.allgather_inplace(buf).wait(timeout=60)
+        assert buf.tobytes() == full.tobytes(), f"allgather of {shard} per rank"
+    comm.barrier()
