@@ -232,7 +232,7 @@ class CommOptions:
 
     ``strategy``: ``"thread"`` (blocking collectives in segments on a communication thread),
     ``"nonblocking"`` (Iallreduce/Ireduce/... from the caller), ``"shm"`` (the ranks of one
-    node reduce directly in MPI-3 shared windows that hold the buffers, driven by a
+    node reduce directly in the shared memory that holds the buffers, driven by a
     communication thread; ``thread`` where the ranks span nodes), ``"hierarchical"`` (``shm``
     within each node, MPI between the ranks that hold the same slice on every node) or
     ``"auto"`` (``shm`` on one node, ``hierarchical`` over nodes of several ranks each,

@@ -20,10 +20,10 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
     without ``MPI_THREAD_MULTIPLE``.
 
 ``shm``
-    For the ranks of one node: each buffer's grad and param storage lives in an MPI-3 shared
-    window (:meth:`Communicator.reserve`), and each rank sums its slice of every rank's
+    For the ranks of one node: each buffer's grad and param storage lives in shared memory
+    every rank of the node maps (the arena of ``shm.py``, :meth:`Communicator.reserve`), and each rank sums its slice of every rank's
     buffer directly between two barriers (``shm_collectives.py``), on a communication thread
-    as ``thread``. Where the ranks span nodes or shared windows cannot be made, every rank
+    as ``thread``. Where the ranks span nodes or the shared memory cannot be made, every rank
     falls back to ``thread`` (agreed at construction, logged with the reason; ``strategy``
     then says ``thread`` and ``shm_fallback`` why). Device (cupy) and non-contiguous arrays
     take ``thread``'s collectives on the same stream.
@@ -388,7 +388,7 @@ class Communicator:
         return regions
 
     def in_shared_window(self, arr: Any) -> bool:
-        """Whether ``arr`` lies in one of this node's shared windows (``shm``): its
+        """Whether ``arr`` lies in this node's shared memory (``shm``'s arena): its
         collectives then read and write it in place, with no copy."""
         return self._memory is not None and self._memory.locate(arr)[0] >= 0
 

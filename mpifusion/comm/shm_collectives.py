@@ -3,7 +3,7 @@
 
 With ``shm`` the only MPI calls are barriers on the stream's private duplicate, so the
 engines, the order check, negotiation, deadlines and the abandon rules apply unchanged; the
-work between the barriers is loads and stores in MPI-3 shared windows (``shm.py``), run by
+work between the barriers is loads and stores in shared memory (``shm.py``), run by
 the stream's communication thread (so it overlaps ``add_grad``). Every collective:
 
 1. writes this rank's descriptor row (what it runs, where its array lies) and, if its array

@@ -205,7 +205,7 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
 
     def _reserve_memory(self, with_params: bool) -> BufferMemory:
-        """The buffer's storage regions: with the ``shm`` strategy one shared window holding
+        """The buffer's storage regions: with the ``shm`` strategy one region of the node's arena holding
         the grad storage (and the param storage of a reduce-scatter or fused-param buffer),
         made now -- collective, in construction order, after the agreement check -- and kept
         for the buffer's lifetime, even where its grads are allocated only at the first
