@@ -96,7 +96,8 @@ def pytest_ignore_collect(collection_path, config):
 #: tests/tools to the end, where one worker ran them while the other had nothing left.
 #: (tests/slurm runs in a lane of its own beside them.)
 LONGEST_FILES = (
-    "comm/test_engine_order.py", "tools/test_cli_run.py", "faults/test_faults.py",
+    "faults/test_faults.py", "faults/test_leaving.py", "comm/test_engine_order.py",
+    "tools/test_cli_run.py",
     "oracle/test_user_patterns.py", "docs/test_oracle_page.py", "docs/test_launcher_exit.py",
     "oracle/test_peers.py", "docs/test_transcripts.py", "tools/test_cli_ddp.py",
     "tools/test_cli_bench.py", "oracle/test_capture.py", "tools/test_run_exact_inputs.py",
