@@ -150,7 +150,7 @@ def wait_request(req: MPI.Request, timeout: Optional[float], message, lock=None,
         def done() -> bool:
             with lock:
                 return req.Test()
-    if not poll(done, timeout, first=1e-5, cap=1e-2):
+    if not poll(done, timeout, first=1e-5, cap=1e-3):
         _STRANDED.append((req, keep))
         raise CommTimeoutError(message())
 

@@ -43,14 +43,26 @@ DRIVER = textwrap.dedent('''
     bad = 1  # the rank at fault
 
 
-    def say(text):
-        """Print a line, and keep it in this rank's file: an abort drops output that the
-        launcher has not forwarded yet (seen: a rank's line missing under load)."""
-        print(f"rank {rank}: {text}", flush=True)
+    def keep(text):
+        """Keep a line in this rank's file: an abort drops output that the launcher has not
+        forwarded yet (seen: a rank's line, or a whole job's output, missing under load)."""
         folder = os.environ.get("FAULT_SAY_DIR")
         if folder:
             with open(os.path.join(folder, f"rank{rank}.txt"), "a") as f:
                 f.write(f"rank {rank}: {text}" + chr(10))
+
+
+    def say(text):
+        print(f"rank {rank}: {text}", flush=True)
+        keep(text)
+
+
+    def kept_excepthook(kind, value, tb, shown=sys.excepthook):
+        keep(f"uncaught {kind.__name__}: {value}")
+        shown(kind, value, tb)
+
+
+    sys.excepthook = kept_excepthook
 
 
     def caught(exc, expected):
