@@ -145,6 +145,9 @@ def main(argv=None) -> int:
         verdict = "EQUAL" if ok_all else "DIFFERENT"
         print(f"{verdict} to single-process training (rtol={args.rtol:g}, atol={args.atol:g})")
         sys.stdout.flush()
+    # under python -m mpi4py a rank that exits non-zero aborts the job at once: every rank
+    # waits here until rank 0 has printed, so that the abort cannot cut its report short
+    comm.Barrier()
     return 0 if ok_all else 1
 
 
