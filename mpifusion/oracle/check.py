@@ -7,7 +7,8 @@ A dump is one record per rank (a ``rank{r}.npz`` file or an in-memory dict of ar
   ``reduce`` on the root; non-root ranks of ``reduce`` may dump their buffer, checked against
   Paddle's rule; for ``reduce_scatter`` the rank's 1-D piece);
 * ``range/{name}``: ``[begin, end)`` (two ints) of the flattened param that the rank's
-  ``out/{name}`` (reduce_scatter) and ``shard/{name}`` cover: FSDP2 dim-0 shards, ZeRO flat
+  ``out/{name}`` (reduce_scatter, or all_reduce: the piece of the full result a rank keeps;
+  not reduce, refused there) and ``shard/{name}`` cover: FSDP2 dim-0 shards, ZeRO flat
   partitions, Megatron distributed-optimizer shards. Without it, ``reduce_scatter`` pieces are
   cut as Paddle cuts them (the rank's slice of the padded buffer, padding included);
 * ``shard/{name}`` (1-D) and ``param/{name}`` (param shape): the rank's param shard before the
@@ -267,6 +268,22 @@ def _check(spec: Any, nranks: int, labels: list, files: list, source: str,
         report.notes.append(f"not checked: {len(unfused)} key(s) of params the spec does not "
                             f"fuse (stop_gradient or trainable false): "
                             f"{', '.join(unfused[:6])}{' ...' if len(unfused) > 6 else ''}")
+    # per (rank, micro-step) input, not on average: one small input among large ones too
+    coarse_dtypes = {c.partition(" grads:")[0] for c in report.coarse}
+    grad_dtypes = {p.name: dtype_name(grad_dtype_for(p.dtype, spec.use_main_grad))
+                   for p in fused}
+    for what, names in report.unseen.items():
+        where = f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        one = "," not in what and " and " not in what
+        whose = "its" if one else "each one's"
+        report.notes.append(f"a lost {what} could not be seen here ({where}: "
+                            f"{whose} share of the result is within "
+                            f"the bound on every element): use exact inputs "
+                            f"(mpifusion.oracle.exact_inputs, check --exact)")
+        if any(grad_dtypes[n] not in coarse_dtypes for n in names):  # else: already warned
+            report.coarse.append(f"{where}: the input of {what} is within the bound on every "
+                                 f"element" if one else f"{where}: the inputs of {what} are "
+                                 f"each within the bound on every element")
     if not has_inputs:  # an all-gather-only dump: results there is no reference for
         outs = sorted({key for ks in keys for key in ks if key.startswith("out/")
                        and _key_param(key) in {p.name for p in fused}})
@@ -453,6 +470,13 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     # the exact reference, streamed: one rank's input at a time into running sums, so
     # memory follows one param's reference, not every rank's inputs of it
     key = f"out/{p.name}"
+    if act == "reduce":
+        for lab, f, rng in zip(labels, files, ranges):
+            if rng is not None and key in f:
+                raise DumpError(f"{lab}: range/{p.name}: counts for out/ under act "
+                                f"reduce_scatter or all_reduce (a rank's piece of the reduced "
+                                f"gradient), not reduce, whose root holds the whole: give "
+                                f"out/{p.name} shaped {list(p.shape)} and no range/{p.name}")
     own_ranks = ([r for r, f in enumerate(files) if r != spec.dst and key in f]
                  if act == "reduce" else [])
     results: dict = {}  # rank -> its ErrorStats, merged in rank order at the end
@@ -506,8 +530,9 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     exact_in = (ExactInputCheck(p.name, p.numel, grad_dtype, nranks, spec.average)
                 if report.exact else None)  # are the inputs exact in every order?
     # the exact sum (mean) rounded once to the grad dtype; its rounding goes into the bound
+    peaks: Optional[dict] = None if report.exact else {}  # (rank, k) -> max |input|
     exact = _stream_sum(p, grad_dtype, list(zip(range(nranks), labels, files)), acc,
-                        nranks if spec.average else 1, digests, exact_in)
+                        nranks if spec.average else 1, digests, exact_in, peaks)
     ref, absolute, overflow = exact.value, exact.absolute, exact.overflow
     if exact_in is not None:
         exact_in.verify(absolute)
@@ -531,12 +556,20 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
     else:
         bound = _bound_over_absolute(exact, grad_dtype=grad_dtype, nranks=nranks,
                                      acc_steps=acc, average=spec.average)
+    if peaks and np.any(absolute):  # a contribution whose loss the bound cannot see
+        hidden = _unseen_inputs(p, grad_dtype, labels, files, peaks, bound,
+                                1.0 / nranks if spec.average else 1.0)
+        if hidden:
+            report.unseen.setdefault(_describe_inputs(hidden, acc), []).append(p.name)
     absolute = exact = None  # type: ignore[assignment]  # only ref, overflow, bound from here
     stats = ErrorStats(p.name)
     per_rank: dict = {}
     ref_flat, bound_flat = ref.reshape(-1), bound.reshape(-1)
     both = (ref_flat, bound_flat)
-    use_ranges = act == "reduce_scatter" and any(r is not None for r in ranges)
+    # range/: a rank's piece of the reduced gradient (reduce_scatter, or an all_reduce whose
+    # result each rank keeps a shard of: Megatron's distributed optimizer); the root of a
+    # reduce holds the whole
+    use_ranges = act != "reduce" and any(r is not None for r in ranges)
     pieces: dict = {}
     if use_ranges:
         for lab, f, rng in zip(labels, files, ranges):
@@ -547,12 +580,12 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                                 f"gives its [begin, end))")
 
     for rank, (lab, f) in enumerate(zip(labels, files)):
-        if act == "all_reduce" or (act == "reduce" and rank == spec.dst):
+        if (act == "all_reduce" and not use_ranges) or (act == "reduce" and rank == spec.dst):
             out = read_array(f, lab, key, p.shape, p.dtype, native=True)
             fold(rank, out.reshape(-1), None, None, overflow, ref=both)
         elif act == "reduce":
             continue  # off the root: compared above, against the rank's own sum
-        elif use_ranges:
+        elif use_ranges:  # reduce_scatter or all_reduce: each rank's [begin, end)
             rng = ranges[rank]
             if rng is None:
                 continue
@@ -589,6 +622,42 @@ def _check_grads(report: CheckReport, p: Any, spec: Any, nranks: int, acc: int, 
                                                     files)
 
 
+def _unseen_inputs(p: Any, grad_dtype: str, labels: list, files: list, peaks: dict,
+                   bound: np.ndarray, weight: float) -> list:
+    """``(rank, k)`` of every input whose loss the bound cannot see: its share of the result
+    (``weight * |x|``) within the bound on every element, so a result missing it passes.
+    Only inputs whose largest element is within the largest bound are read again."""
+    flat = bound.reshape(-1)
+    top = float(np.max(flat)) if flat.size else 0.0
+    hidden = []
+    for (rank, k), peak in sorted(peaks.items()):
+        if not weight * peak <= top:  # beyond every element's bound somewhere (or NaN): seen
+            continue
+        x = _read_grad(files[rank], labels[rank], f"in/{p.name}/{k}", p, grad_dtype)
+        x = x.reshape(-1)
+        if all(np.all(weight * np.abs(x[lo:lo + _COMPARE_CHUNK].astype(np.float64))
+                      <= flat[lo:lo + _COMPARE_CHUNK])
+               for lo in range(0, x.size, _COMPARE_CHUNK)):
+            hidden.append((rank, k))
+        x = None  # type: ignore[assignment]
+    return hidden
+
+
+def _describe_inputs(hidden: list, acc: int) -> str:
+    """``rank 1``, ``rank 0 micro-step 1`` ...: the inputs ``hidden`` (a rank whose every
+    micro-step is hidden is named alone)."""
+    by_rank: dict = {}
+    for rank, k in hidden:
+        by_rank.setdefault(rank, []).append(k)
+    parts = []
+    for rank, ks in sorted(by_rank.items()):
+        if len(ks) == acc:
+            parts.append(f"rank {rank}")
+        else:
+            parts.extend(f"rank {rank} micro-step {k}" for k in ks)
+    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+
+
 def _bytes_of(x: np.ndarray) -> Any:
     """``x``'s bytes, without a copy when it is contiguous (for a digest)."""
     x = np.ascontiguousarray(x)
@@ -604,11 +673,12 @@ def _padded(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
 
 
 def _stream_sum(p: Any, grad_dtype: str, ranks: list, acc: int, divisor: int,
-                digests: Optional[list] = None, exact_in: Any = None) -> Any:
+                digests: Optional[list] = None, exact_in: Any = None,
+                peaks: Optional[dict] = None) -> Any:
     """The exact ``sum / divisor`` of the inputs of ``ranks`` (``(rank, label, file)``),
     read one at a time and dropped once added (:class:`~.exact.ExactStream`); elements
     that need the integer path read them again. ``digests`` gets each rank's inputs'
-    digest, ``exact_in`` each input."""
+    digest, ``exact_in`` each input, ``peaks[(rank, k)]`` each input's max ``|x|``."""
     stream = ExactStream(p.numel)
     for _rank, lab, f in ranks:
         digest = hashlib.blake2b(digest_size=16)
@@ -616,6 +686,9 @@ def _stream_sum(p: Any, grad_dtype: str, ranks: list, acc: int, divisor: int,
             x = _read_grad(f, lab, f"in/{p.name}/{k}", p, grad_dtype)
             if digests is not None:
                 digest.update(_bytes_of(x))
+            if peaks is not None:
+                with np.errstate(invalid="ignore"):
+                    peaks[(_rank, k)] = float(np.max(np.abs(x))) if x.size else 0.0
             if exact_in is not None:
                 exact_in.add(x, f"{lab}: in/{p.name}/{k}")
             stream.add(x)

@@ -108,7 +108,8 @@ def plot_report(report: Any, path: Any) -> str:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no gradients checked (all-gather only)", ha="center")
     spec = report.spec
-    verdict = "PASS" if report.ok else f"FAIL ({len(reasons)} param(s))"
+    verdict = (f"FAIL ({len(reasons)} param(s))" if not report.ok else
+               "WEAK (inputs cannot reveal a missing reduction)" if report.weak else "PASS")
     title = f"mpifusion check: {verdict}"
     if spec is not None:
         title += (f"\n{spec.act}, {spec.nranks} rank(s), acc_steps {spec.acc_steps}, "

@@ -3,10 +3,13 @@
 Enable it with ``pytest_plugins = ["mpifusion.oracle.pytest_plugin"]`` in a ``conftest.py``
 (or ``pytest -p mpifusion.oracle.pytest_plugin``). The fixture is a function
 ``mpifusion_oracle(spec, dumps, *, allow_weak=False, **options)`` that checks the dumps (a
-directory of ``step{k}/`` folders: every step), fails the test with the report (naming the
-step, params and ranks) when they stray, fails it with one line when the inputs cannot
-reveal a missing reduction (the same inputs on every rank, or zeros) unless ``allow_weak``,
-warns (``OracleWarning``) when the bound is coarser than one input, and returns the report.
+directory of ``step{k}/`` folders: every step), raises :class:`~mpifusion.errors.OracleMismatch`
+with the report (naming the step, params and ranks) when they stray, raises
+:class:`~mpifusion.errors.WeakCheckError` with one line when the inputs cannot reveal a
+missing reduction (the same inputs on every rank, or zeros) unless ``allow_weak``, warns
+(``OracleWarning``) when the bound is coarser than one input, and returns the report. Both
+errors are ``AssertionError``s: the test fails, and ``pytest.raises(OracleMismatch)``
+expects a failure.
 Every report is also written as JSON under the test's ``tmp_path``: ``oracle-report.json``
 for the first call of a test, ``oracle-report-2.json``, ``-3`` ... for later ones.
 
@@ -29,22 +32,32 @@ from .report import weak_message
 
 @pytest.fixture
 def mpifusion_oracle(tmp_path: Any) -> Callable[..., Any]:
-    """Check ``(spec, dumps)`` against the float64 reference; fail the test on a mismatch
-    or on inputs too weak to reveal one (unless ``allow_weak=True``)."""
+    """Check ``(spec, dumps)`` against the float64 reference; raise ``OracleMismatch`` on a
+    mismatch, ``WeakCheckError`` on inputs too weak to reveal one (unless
+    ``allow_weak=True``): AssertionErrors, so the test fails."""
     counter = [0]
 
     def run(spec: Any, dumps: Any, *, allow_weak: bool = False, **options: Any) -> Any:
+        __tracebackhide__ = True
         report = check(spec, dumps, **options)
         counter[0] += 1
         name = "oracle-report.json" if counter[0] == 1 else f"oracle-report-{counter[0]}.json"
-        (tmp_path / name).write_text(json.dumps(report.to_json(), indent=1), encoding="utf-8")
+        (tmp_path / name).write_text(json.dumps(report.to_json(allow_weak=allow_weak),
+                                                indent=1), encoding="utf-8")
         if not report.ok:
-            pytest.fail(f"mpifusion oracle: FAIL\n{report}", pytrace=False)
+            raise _plain(OracleMismatch(f"mpifusion oracle: FAIL\n{report}", report))
         if report.weak and not allow_weak:
-            pytest.fail(weak_message(report), pytrace=False)
+            raise _plain(WeakCheckError(weak_message(report), report))
         return report.raise_for_weakness(allow_weak=True)  # the coarse-bound warning
 
     return run
+
+
+def _plain(exc: Exception) -> Exception:
+    """Mark an error the fixture raised: pytest shows its message alone (the report, or the
+    weak check's one line), as the fixture's ``pytest.fail`` did before it raised."""
+    exc._mpifusion_fixture = True  # type: ignore[attr-defined]
+    return exc
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -55,4 +68,5 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Any:
     if call.excinfo is not None and rep.failed and \
             call.excinfo.errisinstance((OracleMismatch, WeakCheckError)):
         exc = call.excinfo.value
-        rep.longrepr = f"{type(exc).__name__}: {exc}"
+        rep.longrepr = (str(exc) if getattr(exc, "_mpifusion_fixture", False)
+                        else f"{type(exc).__name__}: {exc}")

@@ -84,6 +84,10 @@ class CheckReport:
     #: grad dtypes whose bound is coarser than one input's contribution (a result missing one
     #: rank or micro-step may pass): the fixture and ``assert_matches_reference`` warn
     coarse: list = field(default_factory=list)
+    #: inputs whose loss the bound cannot see (each one's share of the result within the
+    #: bound on every element): ``"rank 1"``/``"rank 0 micro-step 1"`` -> the params
+    #: (said in ``notes`` and ``coarse``)
+    unseen: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- verdicts
     def failures(self) -> list:
@@ -154,7 +158,21 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
+        """No mismatch (a weak check is ok too: see :meth:`verdict`)."""
         return not self.failing
+
+    def verdict(self, allow_weak: bool = False) -> str:
+        """``FAIL`` (a mismatch), ``WEAK`` (no mismatch, but on inputs that cannot reveal a
+        missing reduction: ``weak``; ``PASS`` where ``allow_weak``) or ``PASS``."""
+        return verdict_of(self, allow_weak)
+
+    def within(self) -> str:
+        """How the params matched: ``within the bound``, or with exact inputs ``bit-exact
+        (exact inputs)`` / ``within the rounding of the mean (exact inputs)``."""
+        if not self.exact:
+            return "within the bound"
+        return ("bit-exact (exact inputs)" if all("bit-exact" in f for f in self.bounds.values())
+                else "within the rounding of the mean (exact inputs)")
 
     def raise_for_failure(self) -> "CheckReport":
         """Raise :class:`OracleMismatch` naming the failing params and ranks; else return self
@@ -176,9 +194,19 @@ class CheckReport:
         coarser than one input; return self."""
         return enforce_strength(self, allow_weak)
 
+    def passed(self) -> str:
+        """What a verdict without a mismatch says was checked: ``6 params within the
+        bound``, ``..., 2 gathered params exact``."""
+        parts = [f"{len(self.stats)} params {self.within()}"] if self.stats else []
+        if self.sync:
+            parts.append(f"{len(self.sync)} gathered params exact")
+        checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
+        return ", ".join(parts) or f"{checked} params"
+
     # ---------------------------------------------------------------- output
-    def to_json(self, spec: Any = None) -> dict:
-        """The report as JSON-ready data (``null`` for an infinite ratio)."""
+    def to_json(self, spec: Any = None, *, allow_weak: bool = False) -> dict:
+        """The report as JSON-ready data (``null`` for an infinite ratio); ``verdict`` as
+        :meth:`verdict` gives it."""
         spec = spec if spec is not None else self.spec
 
         def num(x: float) -> Optional[float]:
@@ -201,7 +229,7 @@ class CheckReport:
             if s.name in self.diagnoses:
                 entry["diagnosis"] = self.diagnoses[s.name].to_json()
             params.append(entry)
-        doc = {"verdict": "PASS" if self.ok else "FAIL"}
+        doc = {"verdict": self.verdict(allow_weak)}
         if spec is not None:
             doc.update({"act": spec.act, "nranks": spec.nranks, "acc_steps": spec.acc_steps,
                         "average": spec.average, "dst": spec.dst})
@@ -220,14 +248,18 @@ class CheckReport:
         })
         return doc
 
-    def lines(self) -> list:
-        """The human report, one string per line (what ``mpifusion check`` prints)."""
+    def lines(self, allow_weak: bool = False) -> list:
+        """The human report, one string per line (what ``mpifusion check`` prints); the last
+        is the verdict: ``PASS: ...``, ``WEAK: ...`` (why, and the fix; ``PASS (weak,
+        allowed: ...)`` where ``allow_weak``) or ``FAIL: ...``."""
         spec = self.spec
         out = []
         if spec is not None:
             cut = ("each rank's range/ of the flattened gradient" if self.ranged else
                    "each rank's slice of the padded gradient")
-            what = {"all_reduce": "full gradient on every rank", "reduce": f"on root {spec.dst}",
+            what = {"all_reduce": "full gradient on every rank" if not self.ranged else
+                    "full gradient, or the range/ of it a rank holds",
+                    "reduce": f"on root {spec.dst}",
                     "reduce_scatter": cut}[spec.act]
             out.append(f"check {self.source}: {spec.act} ({what}), {spec.nranks} rank(s), "
                        f"acc_steps {spec.acc_steps}, {'mean' if spec.average else 'sum'} over "
@@ -267,16 +299,8 @@ class CheckReport:
                            f"{extra}")
         out.extend(f"note: {n}" for n in self.notes)
         reasons = self.reasons()
-        checked = len({*(s.name for s in self.stats), *(s.name for s in self.sync)})
         if not reasons:
-            within = "within the bound" if not self.exact else (
-                "bit-exact (exact inputs)" if all("bit-exact" in f for f in self.bounds.values())
-                else "within the rounding of the mean (exact inputs)")
-            parts = [f"{len(self.stats)} params {within}"] if self.stats else []
-            if self.sync:
-                parts.append(f"{len(self.sync)} gathered params exact")
-            weak = f" (weak: {self.weak_summary()})" if self.weak else ""
-            out.append(f"PASS{weak}: {', '.join(parts) or f'{checked} params'}")
+            out.append(pass_line(self, self.passed(), allow_weak))
         elif all(kind == "grad" for _, kind, _ in self.failures()):
             bad = list(reasons)
             out.append(f"FAIL: {len(bad)} param(s) beyond the bound: {', '.join(bad[:10])}"
@@ -295,6 +319,33 @@ class CheckReport:
 #: how to make inputs that can reveal a missing reduction (the weak-check message's tail)
 WEAK_FIX = ("give each rank its own data (a per-rank seed, e.g. torch.manual_seed(seed + "
             "rank), or mpifusion.oracle.exact_inputs), or pass allow_weak=True")
+
+
+#: the same, where ``mpifusion check`` prints it (the last line of a WEAK verdict)
+WEAK_FIX_CLI = ("give each rank its own data (a per-rank seed, or "
+                "mpifusion.oracle.exact_inputs), or accept it: --allow-weak (allow_weak=True)")
+
+
+def verdict_of(report: Any, allow_weak: bool = False) -> str:
+    """``FAIL``, ``WEAK`` or ``PASS`` of a CheckReport or a StepsReport."""
+    if not report.ok:
+        return "FAIL"
+    return "WEAK" if report.weak and not allow_weak else "PASS"
+
+
+def pass_line(report: Any, what: str, allow_weak: bool = False, brief: bool = False) -> str:
+    """The last line of a report without a mismatch: ``PASS: {what}``; for weak inputs
+    ``WEAK: {what}, but {why}: ...; {the fix}`` (``brief``: ``WEAK ({why}): {what}``, a
+    step's line), or ``PASS (weak, allowed: {why}): {what}`` where ``allow_weak``."""
+    if not report.weak:
+        return f"PASS: {what}"
+    why = report.weak_summary()
+    if allow_weak:
+        return f"PASS (weak, allowed: {why}): {what}"
+    if brief:
+        return f"WEAK ({why}): {what}"
+    return (f"WEAK: {what}, but {why}: these inputs cannot reveal a missing reduction (a "
+            f"reducer that does nothing passes too); {WEAK_FIX_CLI}")
 
 
 def weak_message(report: Any) -> str:

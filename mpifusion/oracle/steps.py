@@ -22,7 +22,7 @@ from ..errors import OracleMismatch
 from .check import as_spec
 from .check import check as check_one
 from .dumps import DumpError, rank_files
-from .report import CheckReport, enforce_strength
+from .report import CheckReport, enforce_strength, pass_line, verdict_of
 
 #: a step folder of a steps directory (ASCII digits, no leading zeros: step0, step1, ...)
 STEP_DIR = re.compile(r"step(0|[1-9][0-9]{0,8})", flags=re.ASCII)
@@ -92,6 +92,18 @@ class StepsReport:
     def ok(self) -> bool:
         return not self.failing_steps
 
+    def verdict(self, allow_weak: bool = False) -> str:
+        """As :meth:`CheckReport.verdict`, over every step."""
+        return verdict_of(self, allow_weak)
+
+    def within(self) -> str:
+        """As :meth:`CheckReport.within`: what every step's params met (the loosest)."""
+        phrases = {r.within() for _, r in self.steps}
+        for loosest in ("within the bound", "within the rounding of the mean (exact inputs)"):
+            if loosest in phrases:
+                return loosest
+        return phrases.pop() if phrases else "within the bound"
+
     @property
     def failing(self) -> list:
         return list(dict.fromkeys(n for _, r in self.steps for n in r.failing))
@@ -141,28 +153,32 @@ class StepsReport:
         """As :meth:`CheckReport.raise_for_weakness`, over every step."""
         return enforce_strength(self, allow_weak)
 
-    def to_json(self) -> dict:
-        """JSON-ready: ``verdict``, ``failing_steps``, ``diagnoses`` and each step's report
-        (``steps``: ``[{"step": k, ...CheckReport.to_json()}]``)."""
-        return {"verdict": "PASS" if self.ok else "FAIL", "failing_steps": self.failing_steps,
+    def to_json(self, *, allow_weak: bool = False) -> dict:
+        """JSON-ready: ``verdict`` (:meth:`verdict`), ``failing_steps``, ``diagnoses`` and each
+        step's report (``steps``: ``[{"step": k, ...CheckReport.to_json()}]``)."""
+        return {"verdict": self.verdict(allow_weak), "failing_steps": self.failing_steps,
                 "diagnoses": [{"step": d.step, "name": d.name, "kind": d.kind,
                                "since": d.since, "text": str(d)} for d in self.diagnoses],
                 "weak": self.weak, "coarse": self.coarse,
-                "steps": [{"step": k, **r.to_json()} for k, r in self.steps]}
+                "steps": [{"step": k, **r.to_json(allow_weak=allow_weak)}
+                          for k, r in self.steps]}
 
-    def lines(self) -> list:
+    def lines(self, allow_weak: bool = False) -> list:
         """Each step's verdict, what explains a failure, the first failing step's full
-        report, and the overall verdict last."""
+        report, and the overall verdict last (``PASS``, ``WEAK`` or ``FAIL``, as
+        :meth:`CheckReport.lines`)."""
         ks = [k for k, _ in self.steps]
         out = [f"check {self.source}: {len(ks)} step(s) ({', '.join(f'step{k}' for k in ks)})"]
         for k, r in self.steps:
-            out.append(f"step {k}: {r.lines()[-1]}")
+            # a weak step's line is brief: the fix is said once, on the last line
+            last = pass_line(r, r.passed(), allow_weak, brief=True) if r.ok else r.lines()[-1]
+            out.append(f"step {k}: {last}")
             out.extend(str(d) for d in self.diagnoses if d.step == k)
         if self.ok:
             out.extend(f"note: {n}" for n in self.notes)
-            weak = f" (weak: {self.weak_summary()})" if self.weak else ""
             n = max((len(r.stats) + len(r.sync) for _, r in self.steps), default=0)
-            out.append(f"PASS{weak}: {len(ks)} step(s), {n} params each within the bound")
+            out.append(pass_line(self, f"{len(ks)} step(s), {n} params each {self.within()}",
+                                 allow_weak))
             return out
         first = self.failing_steps[0]
         out.append(f"--- step {first} ---")

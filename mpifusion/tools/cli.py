@@ -35,7 +35,12 @@ from .render import (LayoutDocError, check_layout_doc, compare_layouts, layout_j
 from .slurm import launch_problem, slurm_view, summary_lines, view_json
 
 __all__ = ["main", "build_parser", "spec_from_args", "collect_info", "byte_size", "UsageError",
-           "EXIT_PASS", "EXIT_FAIL", "EXIT_INPUT"]
+           "EXIT_PASS", "EXIT_FAIL", "EXIT_INPUT", "EXIT_WEAK"]
+
+#: ``mpifusion check``'s exit code for a WEAK verdict: no mismatch, but on inputs that cannot
+#: reveal a missing reduction (a reducer that does nothing passes too); ``--allow-weak``
+#: makes it 0. Neither 1 (a mismatch), 2 (bad input) nor 3 (srun could not start the job).
+EXIT_WEAK = 4
 
 
 class UsageError(FusionError, ValueError):
@@ -120,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the inputs are exact in every order (mpifusion.oracle.exact_inputs): "
                      "demand the result bit for bit (a mean over a non-power-of-two rank "
                      "count: within its rounding); other inputs are refused (exit 2)")
+    chk.add_argument("--allow-weak", action="store_true",
+                     help="accept a check whose inputs cannot reveal a missing reduction "
+                     "(every rank fed the same inputs to a mean, or zeros): exit 0, not "
+                     f"{EXIT_WEAK} (WEAK); the last line still says it was weak")
 
     inf = sub.add_parser("info", help="MPI library, thread level, CUDA-awareness, versions")
     inf.add_argument("--json", action="store_true", help="print as JSON")
@@ -292,7 +301,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """A thin layer over :func:`mpifusion.oracle.check`: print its report, exit 0/1."""
+    """A thin layer over :func:`mpifusion.oracle.check`: print its report; exit 0 (PASS),
+    1 (FAIL) or EXIT_WEAK (WEAK: no mismatch, on inputs that cannot reveal a missing
+    reduction; 0 with ``--allow-weak``)."""
     from ..oracle import check  # numpy: layout starts without it
     from ..oracle.plot import PlotError, plot_path, plot_report
 
@@ -312,13 +323,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         except PlotError as exc:
             raise UsageError(f"--plot: {exc}") from None
     if args.json:
-        say(json.dumps(report.to_json(), indent=1))
+        say(json.dumps(report.to_json(allow_weak=args.allow_weak), indent=1))
     else:
-        for line in report.lines():
+        lines = report.lines(allow_weak=args.allow_weak)
+        if plot_file is not None:  # the verdict stays the last line
+            lines.insert(len(lines) - 1, f"plot: {plot_file}")
+        for line in lines:
             say(line)
-        if plot_file is not None:
-            say(f"plot: {plot_file}")
-    return EXIT_PASS if report.ok else EXIT_FAIL
+    return {"PASS": EXIT_PASS, "WEAK": EXIT_WEAK}.get(report.verdict(args.allow_weak),
+                                                      EXIT_FAIL)
 
 
 _THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled",

@@ -833,3 +833,57 @@ def test_fp32_inputs_of_a_bf16_param_with_main_grads_are_accepted():
     spec = spec_of("bfloat16", 2, shape=(8,), average=True, use_main_grad=True)
     report = check(spec, [{"in/w/0": x, "out/w": out} for x in xs])
     assert report.ok, report
+
+
+# ---------------------------------------------------------------- range/ under all_reduce
+def _megatron_do(nranks=4, acc=2, seed=3):
+    """all_reduce whose result each rank keeps a shard of (Megatron's distributed optimizer):
+    ``out/`` is the rank's 1-D piece of the all-reduced grad, ``range/`` where it lies."""
+    shapes = {"0.weight": (16, 8), "0.bias": (10,)}
+    spec = {"params": [{"name": n, "shape": list(s), "dtype": "float32"}
+                       for n, s in shapes.items()],
+            "act": "all_reduce", "nranks": nranks, "acc_steps": acc, "average": True}
+    grads = rank_grads(nranks, acc, shapes, seed)
+    full = fp32_reduction(grads, average=True)
+    dumps = []
+    for r in range(nranks):
+        d = {f"in/{n}/{k}": x for n, xs in grads[r].items() for k, x in enumerate(xs)}
+        for n, x in full.items():
+            flat = x.reshape(-1)
+            b, e = r * flat.size // nranks, (r + 1) * flat.size // nranks
+            d[f"out/{n}"], d[f"range/{n}"] = flat[b:e].copy(), np.array([b, e])
+        dumps.append(d)
+    return spec, dumps
+
+
+def test_range_under_all_reduce_checks_each_rank_piece():
+    spec, dumps = _megatron_do()
+    report = assert_matches_reference(spec, dumps)
+    assert [s.compared for s in report.stats] == [128, 10]
+    assert report.ranged == ["0.weight", "0.bias"]
+    assert "(full gradient, or the range/ of it a rank holds)" in report.lines()[0]
+    # a wrong element on rank 1's piece: named, on rank 1
+    dumps[1]["out/0.weight"][3] += 1
+    report = check(spec, dumps)
+    assert report.failing == ["0.weight"] and report.wrong_ranks("0.weight") == [1]
+    # a rank that keeps no piece: its elements are a gap (a failure), not a shape error
+    spec, dumps = _megatron_do()
+    del dumps[3]["out/0.weight"], dumps[3]["range/0.weight"]
+    report = check(spec, dumps)
+    assert not report.ok and "0.weight: out/ gap [96, 128) held by no rank" in str(report)
+    # a full out/ next to other ranks' range/: every rank holding a piece names it
+    spec, dumps = _megatron_do()
+    del dumps[2]["range/0.bias"]
+    with pytest.raises(DumpError, match=r"rank 2 \(in memory\): range/0.bias: missing"):
+        check(spec, dumps)
+
+
+def test_range_under_reduce_is_refused_in_one_line():
+    spec, dumps = _megatron_do()
+    spec.update(act="reduce", dst=0)
+    with pytest.raises(DumpError) as exc:
+        check(spec, dumps)
+    assert str(exc.value) == (
+        "rank 0 (in memory): range/0.weight: counts for out/ under act reduce_scatter or "
+        "all_reduce (a rank's piece of the reduced gradient), not reduce, whose root holds the "
+        "whole: give out/0.weight shaped [16, 8] and no range/0.weight")

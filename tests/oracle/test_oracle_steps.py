@@ -24,6 +24,7 @@ from mpifusion.capture import CaptureError, Recorder
 from mpifusion.errors import OracleMismatch, OracleWarning, WeakCheckError
 from mpifusion.oracle import StepsReport, assert_matches_reference, check, check_steps
 from mpifusion.oracle.dumps import DumpError
+from mpifusion.tools.cli import EXIT_WEAK
 from tests.helpers import run_cli, run_cmd
 
 SHAPES = {"w": (3, 5), "b": (5,)}
@@ -181,6 +182,12 @@ WEAK_LINE = ("mpifusion oracle: weak check: every rank fed the same inputs (w): 
              "mpifusion.oracle.exact_inputs), or pass allow_weak=True")
 
 
+WEAK_CLI_LINE = ("WEAK: 1 params within the bound, but every rank fed the same inputs (w): these "
+                 "inputs cannot reveal a missing reduction (a reducer that does nothing passes "
+                 "too); give each rank its own data (a per-rank seed, or "
+                 "mpifusion.oracle.exact_inputs), or accept it: --allow-weak (allow_weak=True)")
+
+
 def test_no_reduction_on_the_same_data_is_a_weak_check(tmp_path, capsys):
     spec, records = same_data()
     report = check(spec, records)
@@ -198,9 +205,13 @@ def test_no_reduction_on_the_same_data_is_a_weak_check(tmp_path, capsys):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     code, out, _ = run_cli(capsys, "check", "--spec", str(tmp_path / "spec.json"),
                            str(tmp_path))
+    assert code == EXIT_WEAK == 4  # not a PASS: neither 0, 1 (a mismatch) nor 2 (bad input)
+    assert out.strip().splitlines()[-1] == WEAK_CLI_LINE
+    code, out, _ = run_cli(capsys, "check", "--spec", str(tmp_path / "spec.json"),
+                           str(tmp_path), "--allow-weak")
     assert code == 0
-    assert out.strip().splitlines()[-1] == ("PASS (weak: every rank fed the same inputs (w)): "
-                                            "1 params within the bound")
+    assert out.strip().splitlines()[-1] == ("PASS (weak, allowed: every rank fed the same "
+                                            "inputs (w)): 1 params within the bound")
 
 
 def test_the_same_inputs_to_a_sum_are_not_weak():
@@ -291,3 +302,94 @@ def test_fixture_fails_a_weak_check_with_one_line_and_writes_numbered_reports(tm
     # what pytest printed for test_weak: the one line, no traceback
     block = re.search(r"^_+ test_weak _+\n(.*?)^[=_]{5,}", proc.stdout, re.S | re.M).group(1)
     assert block.strip() == WEAK_LINE, block
+
+
+def test_fixture_raises_oracle_mismatch_that_pytest_raises_can_expect(tmp_path):
+    """The fixture raises OracleMismatch (an AssertionError: an unexpected one fails the
+    test, shown as the report) and WeakCheckError: ``pytest.raises`` can expect either."""
+    test = tmp_path / "test_user.py"
+    test.write_text(textwrap.dedent("""
+        import numpy as np
+        import pytest
+        from mpifusion.errors import OracleMismatch, WeakCheckError
+        X = np.arange(6, dtype=np.float32)
+        SPEC = {"params": [{"name": "w", "shape": [6], "dtype": "float32"}],
+                "act": "all_reduce", "nranks": 2, "average": True}
+        SUM = [{"in/w/0": X + r, "out/w": 2 * X + 1} for r in range(2)]  # a sum, not the mean
+        SAME = [{"in/w/0": X.copy(), "out/w": X.copy()} for _ in range(2)]
+
+        def test_expected_mismatch(mpifusion_oracle):
+            with pytest.raises(OracleMismatch) as exc:
+                mpifusion_oracle(SPEC, SUM)
+            assert isinstance(exc.value, AssertionError)
+            assert exc.value.params == ["w"] and exc.value.ranks == [0, 1]
+            assert str(exc.value).startswith("mpifusion oracle: FAIL\\n")
+
+        def test_expected_weak(mpifusion_oracle):
+            with pytest.raises(WeakCheckError, match="weak check"):
+                mpifusion_oracle(SPEC, SAME)
+
+        def test_unexpected_mismatch(mpifusion_oracle):
+            mpifusion_oracle(SPEC, SUM)
+    """))
+    proc = run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                    "mpifusion.oracle.pytest_plugin", "-W", "error", str(test)],
+                   timeout=120, cwd=str(tmp_path))
+    assert "1 failed, 2 passed" in proc.stdout, proc.stdout + proc.stderr
+    # the unexpected one: the report, no traceback, as before the fixture raised
+    block = re.search(r"^_+ test_unexpected_mismatch _+\n(.*?)^[=_]{5,}", proc.stdout,
+                      re.S | re.M).group(1)
+    assert block.startswith("mpifusion oracle: FAIL\n"), block
+    assert "Traceback" not in block and "raise " not in block, block
+    assert block.rstrip().splitlines()[-1].startswith("FAIL: 1 param(s) beyond the bound: w")
+
+
+def test_fixture_reports_say_weak_unless_allowed(tmp_path):
+    """The JSON the fixture writes says WEAK for a weak check it refused, PASS where
+    allow_weak accepted it (see the fixture test above)."""
+    from mpifusion.oracle.pytest_plugin import mpifusion_oracle
+
+    run = mpifusion_oracle.__wrapped__(tmp_path) if hasattr(mpifusion_oracle, "__wrapped__") \
+        else None
+    if run is None:
+        pytest.skip("this pytest's fixture object does not expose its function")
+    spec, records = same_data()
+    with pytest.raises(WeakCheckError):
+        run(spec, records)
+    assert json.loads((tmp_path / "oracle-report.json").read_text())["verdict"] == "WEAK"
+    assert run(spec, records, allow_weak=True).ok
+    assert json.loads((tmp_path / "oracle-report-2.json").read_text())["verdict"] == "PASS"
+    records[1]["out/w"] = records[1]["out/w"] * 2
+    with pytest.raises(OracleMismatch):
+        run(spec, records)
+
+
+def test_an_input_below_the_bound_everywhere_is_named_even_if_the_others_are_large():
+    """fp32 grads, 3 ranks: the bound is fine on average, but rank 1's gradient is 1e-12 of
+    the others', so a result without it passes; the note names rank 1 (and the micro-step,
+    when only one of a rank's is hidden), and the fixture's warning says so too."""
+    rng = np.random.default_rng(0)
+    big = [rng.standard_normal((2, 64)).astype(np.float32) * 1e3 for _ in range(2)]
+    tiny = (rng.standard_normal((2, 64)) * 1e-9).astype(np.float32)
+    xs = [big[0], tiny, big[1]]  # [rank][micro-step]
+    spec = {"params": [{"name": "w", "shape": [64], "dtype": "float32"}],
+            "act": "all_reduce", "nranks": 3, "acc_steps": 2, "average": True}
+
+    def records(ranks) -> list:
+        out = (sum(xs[r].astype(np.float64).sum(axis=0) for r in ranks) / 3).astype(np.float32)
+        return [{"in/w/0": xs[r][0], "in/w/1": xs[r][1], "out/w": out} for r in range(3)]
+
+    report = check(spec, records([0, 2]))  # rank 1 lost, and it passes: the note says why
+    assert report.ok
+    assert ("note: a lost rank 1 could not be seen here (w: its share of the result is within "
+            "the bound on every element): use exact inputs (mpifusion.oracle.exact_inputs, "
+            "check --exact)") in report.lines()
+    assert report.coarse == ["w: the input of rank 1 is within the bound on every element"]
+    with pytest.warns(OracleWarning, match=r"w: the input of rank 1 is within the bound"):
+        assert_matches_reference(spec, records([0, 1, 2]))
+    xs[1][1] = big[0][1]  # only micro-step 0 of rank 1 is small now
+    report = check(spec, records([0, 1, 2]))
+    assert report.unseen == {"rank 1 micro-step 0": ["w"]}
+    xs[1][0] = big[1][0]  # nothing hidden: no note
+    report = check(spec, records([0, 1, 2]))
+    assert report.unseen == {} and report.coarse == [] and not report.notes

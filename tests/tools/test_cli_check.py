@@ -296,3 +296,94 @@ def test_check_under_mpiexec_with_a_fifo_exits_2_once(tmp_path, n):
     res = mpiexec(n, "check", "--spec", spec, str(folder), timeout=120)
     line = one_line_error(res.stderr, "check")
     assert res.returncode == 2 and "not a regular file" in line
+
+
+# ---------------------------------------------------------------- WEAK: not a PASS anywhere
+def _same_data_dump(tmp_path, steps: bool = False) -> tuple:
+    """Every rank fed the same inputs to a mean, and the "reducer" did nothing: each rank
+    holds its own gradient, which is also the mean. Nothing could see a missing reduction."""
+    grads = _inputs(1, 2) * 3
+    own = fp32_reduction(grads[:1], average=True)  # rank 0's own accumulated gradient
+    spec = _write_spec(tmp_path, act="all_reduce", nranks=3, acc_steps=2, average=True)
+    if steps:
+        for k in range(2):
+            _dump(tmp_path / "dump", [], [])  # the parent
+            _dump(tmp_path / "dump" / f"step{k}", grads, [own] * 3)
+    else:
+        _dump(tmp_path / "dump", grads, [own] * 3)
+    return spec, str(tmp_path / "dump")
+
+
+WEAK_WHY = "every rank fed the same inputs (w0, w1, w2)"
+WEAK_TAIL = (f"but {WEAK_WHY}: these inputs cannot reveal a missing reduction (a reducer "
+             f"that does nothing passes too); give each rank its own data (a per-rank seed, "
+             f"or mpifusion.oracle.exact_inputs), or accept it: --allow-weak (allow_weak=True)")
+
+
+@pytest.mark.parametrize("steps", [False, True], ids=["one_step", "step_dirs"])
+def test_a_weak_check_is_not_a_pass(capsys, tmp_path, steps):
+    """Exit 4 (neither 0 nor the documented 1 and 2), WEAK and its reason on the last line
+    and in --json; --allow-weak accepts it (exit 0) and still says it was weak."""
+    from mpifusion.tools.cli import EXIT_WEAK
+
+    spec, folder = _same_data_dump(tmp_path, steps)
+    code, out, err = run_cli(capsys, "check", "--spec", spec, folder)
+    assert (code, err) == (EXIT_WEAK, "") and EXIT_WEAK == 4, out + err
+    lines = out.strip().splitlines()
+    what = "2 step(s), 3 params each within the bound" if steps else "3 params within the bound"
+    assert lines[-1] == f"WEAK: {what}, {WEAK_TAIL}"
+    assert not any(line.startswith("PASS") for line in lines), out
+    if steps:  # each step's line says it briefly; the fix once, on the last line
+        assert lines[1] == f"step 0: WEAK ({WEAK_WHY}): 3 params within the bound", out
+
+    code, out, _ = run_cli(capsys, "check", "--json", "--spec", spec, folder)
+    doc = json.loads(out)
+    assert code == EXIT_WEAK and doc["verdict"] == "WEAK" and len(doc["weak"]) == 3
+    if steps:
+        assert [s["verdict"] for s in doc["steps"]] == ["WEAK", "WEAK"]
+
+    code, out, _ = run_cli(capsys, "check", "--allow-weak", "--spec", spec, folder)
+    assert code == 0, out
+    assert out.strip().splitlines()[-1] == f"PASS (weak, allowed: {WEAK_WHY}): {what}"
+    code, out, _ = run_cli(capsys, "check", "--allow-weak", "--json", "--spec", spec, folder)
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "PASS" and len(doc["weak"]) == 3
+
+
+def test_a_mismatch_on_weak_inputs_is_a_fail(capsys, tmp_path):
+    spec, folder = _same_data_dump(tmp_path)
+    with np.load(os.path.join(folder, "rank1.npz")) as z:
+        arrays = dict(z)
+    arrays["out/w1"] = arrays["out/w1"] * 2
+    np.savez(os.path.join(folder, "rank1.npz"), **arrays)
+    for extra in ([], ["--allow-weak"]):
+        code, out, _ = run_cli(capsys, "check", *extra, "--spec", spec, folder)
+        assert code == 1 and out.strip().splitlines()[-1].startswith("FAIL: "), out
+
+
+def test_exact_says_bit_exact_on_the_last_line(capsys, tmp_path):
+    """--exact: the last line says bit-exact, as each step's line does (one step and
+    step{k}/ folders)."""
+    from mpifusion.oracle import exact_inputs, exact_sum
+
+    doc = {"params": [{"name": n, "shape": list(s), "dtype": "float32"}
+                      for n, s in SHAPES.items()],
+           "act": "all_reduce", "nranks": 2, "acc_steps": 2, "average": True}
+    (tmp_path / "spec.json").write_text(json.dumps(doc))
+    spec = str(tmp_path / "spec.json")
+    grads = [{n: [exact_inputs(doc, r, k)[n] for k in range(2)] for n in SHAPES}
+             for r in range(2)]
+    outs = {n: (exact_sum(doc, n)[0] / 2).astype(np.float32) for n in SHAPES}
+    _dump(tmp_path / "one", grads, [outs] * 2)
+    for k in range(2):
+        _dump(tmp_path / "steps", [], [])
+        _dump(tmp_path / "steps" / f"step{k}", grads, [outs] * 2)
+    code, out, _ = run_cli(capsys, "check", "--exact", "--spec", spec, str(tmp_path / "one"))
+    assert code == 0 and out.strip().splitlines()[-1] == "PASS: 3 params bit-exact (exact inputs)"
+    code, out, _ = run_cli(capsys, "check", "--exact", "--spec", spec, str(tmp_path / "steps"))
+    lines = out.strip().splitlines()
+    assert code == 0, out
+    assert lines[1] == "step 0: PASS: 3 params bit-exact (exact inputs)", out
+    assert lines[-1] == "PASS: 2 step(s), 3 params each bit-exact (exact inputs)"
+    code, out, _ = run_cli(capsys, "check", "--spec", spec, str(tmp_path / "steps"))
+    assert out.strip().splitlines()[-1] == "PASS: 2 step(s), 3 params each within the bound"
