@@ -500,17 +500,16 @@ class Communicator:
         return task
 
     def _checked(self, op: Collective, desc: Sequence[int], steps: Steps, way: int) -> Steps:
-        """``steps`` behind the order check (``verify_order``); without it, MPI calls get the
-        same check alongside the data (``order.serial_checked_steps``: the step serial is
-        always compared), before it under a deadline and across nodes; one node's
-        shared-window rows compare the step themselves."""
-        engine = self._engine
-        if self.verify:
-            return order_mod.verified_steps(op, desc, steps, self.comm, engine.check_words)
-        across = self._shm is not None and self._shm.cross is not None
-        if way != SHM_WAY or across:
-            return order_mod.serial_checked_steps(op, desc, steps, self.comm, engine,
-                                                  before=across or self.timeout is not None)
+        """``steps`` behind the order check. MPI's own collectives get it whatever
+        ``verify_order`` says: it is what compares the step serial, so a rank that dropped a
+        step can never pair with its peers' pending collective (run alongside the data
+        instead, it measured slower than before it: BENCHMARKS.md, "Order safety"). One
+        node's shared-window rows compare the step themselves; across nodes the check runs
+        too (a node whose rows disagreed skips the cross-node calls)."""
+        if self.verify or way != SHM_WAY or (self._shm is not None
+                                             and self._shm.cross is not None):
+            return order_mod.verified_steps(op, desc, steps, self.comm,
+                                            self._engine.check_words)
         return steps
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only

@@ -100,9 +100,6 @@ _DROPPED = ("a rank dropped a step (reset() ends the step on the rank that calls
             "next collective carries the next step serial). To skip a step, skip it on every "
             "rank (agree first, e.g. an all-reduce of a found-inf flag, as AMP does) or check "
             "in a zero grad (mark_unused) so that the step goes on")
-_MOVED = ("With verify_order=False this check runs alongside the data, which moved before "
-          "it caught this: the grads hold a mix of two steps and must not be used (redo the "
-          "step); every rank raises this")
 _UNMOVED = "Nothing was exchanged (no grad changed); every rank raises this"
 
 
@@ -112,10 +109,9 @@ def _buffer_text(row: Sequence[int]) -> str:
             f"{' (#%d built on this communicator)' % key if key >= 0 else ''}")
 
 
-def order_message(rank: int, rows: np.ndarray, where: str, moved: bool = False) -> str:
-    """The OrderError text; ``moved``: the check ran alongside the data (verify_order=False)."""
+def order_message(rank: int, rows: np.ndarray, where: str) -> str:
     at = _step_split(rows)
-    after = _MOVED if moved else _UNMOVED
+    after = _UNMOVED
     if at is not None:
         high = max(at)
         parts = "; ".join(f"{_ranks(rs)} at step {s}" for s, rs in sorted(at.items(),
@@ -134,12 +130,12 @@ def order_message(rank: int, rows: np.ndarray, where: str, moved: bool = False) 
             f"negotiated) to let the ranks agree on an order")
 
 
-def order_error(rank: int, rows: np.ndarray, where: str, moved: bool = False) -> OrderError:
+def order_error(rank: int, rows: np.ndarray, where: str) -> OrderError:
     """The :class:`OrderError` of gathered descriptor rows ``[seq, kind, count, dtype, root,
     buffer, step(, key, ...)]`` (one per rank): the same on every rank, with ``steps`` set
     where the rows differ in the step serial only."""
     at = _step_split(rows)
-    return OrderError(order_message(rank, rows, where, moved),
+    return OrderError(order_message(rank, rows, where),
                       steps=None if at is None else (min(at), max(at)))
 
 
@@ -161,69 +157,6 @@ def verified_steps(task: Collective, desc: Sequence[int], steps: Steps, comm: MP
         yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]))
         raise order_error(comm.Get_rank(), rows, task.name or "collective")
     yield from steps
-
-
-class _Done:
-    """An already-complete request (``Test``/``Wait``)."""
-
-    __slots__ = ()
-
-    def Test(self) -> bool:
-        return True
-
-    def Wait(self) -> None:
-        return None
-
-
-_DONE = _Done()
-
-
-class _LateCheck:
-    """The engine's order-check all-reduce started without waiting (``Istart``: the engine
-    gets an already-complete request) and waited for later (``Iverdict``: the real one).
-    Both names are already non-blocking, so every engine issues them as they are."""
-
-    __slots__ = ("engine", "request")
-
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-        self.request: Any = None
-
-    def Istart(self) -> _Done:
-        self.request = self.engine.start_check()
-        return _DONE
-
-    def Iverdict(self) -> Any:
-        return self.request
-
-
-def serial_checked_steps(task: Collective, desc: Sequence[int], steps: Steps,
-                         comm: MPI.Comm, engine: "Engine", before: bool) -> Steps:
-    """``steps`` with the check of ``verify_order=False``: the same 16-byte fingerprint as
-    :func:`verified_steps` (so the step serial, the size and the call form are compared),
-    but started before the first call and waited for after the last, so its latency hides
-    behind the data; ranks whose serials differ ran the same calls (same buffer, same size),
-    and every rank raises the :class:`OrderError` from the same collective, though its data
-    moved. ``before``: waited for before the first call, as the order check is -- where the
-    ranks may run different calls: under a deadline (a small collective is polled, with the
-    non-blocking forms, which MPI never matches with the blocking ones of a larger one) and
-    across nodes (a node whose rows disagreed skips the cross-node calls)."""
-    if before:
-        yield from verified_steps(task, desc, steps, comm, engine.check_words)
-        return
-    words = engine.check_words
-    h = fingerprint((task.seq, *desc, task.polled))
-    words[0] = h
-    words[1] = h ^ _MASK
-    late = _LateCheck(engine)
-    yield Call("Istart", comm=late, fence=False)
-    yield from steps
-    yield Call("Iverdict", comm=late)
-    if words[2] ^ _MASK != words[3]:
-        row = np.array((task.seq, *desc), dtype=np.int64)
-        rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-        yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]))
-        raise order_error(comm.Get_rank(), rows, task.name or "collective", moved=True)
 
 
 class Negotiator:
