@@ -56,3 +56,10 @@ def covering(cells: Sequence[tuple], salt: int = 0) -> List[tuple]:
         todo -= set(enumerate(best))
     return chosen
 
+
+def with_openmpi(cells: Sequence[tuple], salt: int = 0) -> List[tuple]:
+    """Every cell under MPICH (``+ ("mpich",)``), and a covering few of them (:func:`covering`)
+    under Open MPI: its own launcher, non-blocking and shared-memory code run every scenario
+    and every strategy at least once, at a fraction of the jobs."""
+    return ([(*cell, "mpich") for cell in cells]
+            + [(*cell, "openmpi") for cell in covering(cells, salt)])

@@ -21,8 +21,9 @@ from typing import Dict, Optional
 
 import pytest
 
-from tests.faults.strategies import strategy_env, strategy_param
-from tests.helpers import run_job
+from tests.faults.strategies import (NAMES, openmpi_python, strategy_env, strategy_param,
+                                     with_openmpi)
+from tests.helpers import mpiexec_path, run_cmd
 
 DEADLINE = 4.0          # MPIFUSION_TIMEOUT given to the jobs, seconds
 HARD_LIMIT = 90         # per job, start-up of 8 oversubscribed ranks included
@@ -228,12 +229,18 @@ def kill_leftovers(token: str) -> list:
 
 
 def _run_job(tmp_path: Path, scenario: str, nranks: int, strategy: str = "thread",
-             rank1_env: Optional[Dict[str, str]] = None, **env_extra: str):
-    """Run DRIVER's ``scenario`` under ``strategy``; ``rank1_env``: settings of rank 1 only
-    (an MPMD launch: ``mpiexec -n 1 CMD : -n 1 env X=.. CMD : -n N-2 CMD``)."""
+             rank1_env: Optional[Dict[str, str]] = None, mpi: str = "mpich", **env_extra: str):
+    """Run DRIVER's ``scenario`` under ``strategy`` and ``mpi`` (``openmpi``: the venv of
+    $MPIFUSION_OPENMPI_VENV); ``rank1_env``: settings of rank 1 only (an MPMD launch:
+    ``mpiexec -n 1 CMD : -n 1 env X=.. CMD : -n N-2 CMD``)."""
     driver = tmp_path / f"fault_driver_{scenario}_{nranks}_{strategy}.py"
     driver.write_text(DRIVER)
-    cmd = [sys.executable, "-m", "mpi4py", str(driver), scenario]
+    if mpi == "openmpi":
+        python = openmpi_python()
+        launcher = str(Path(python).parent / "mpiexec")
+    else:
+        python, launcher = sys.executable, mpiexec_path()
+    cmd = [python, "-m", "mpi4py", str(driver), scenario]
     if rank1_env:
         per_rank = ["env", *(f"{k}={v}" for k, v in rank1_env.items()), *cmd]
         argv = [*cmd, ":", "-n", "1", *per_rank]
@@ -245,7 +252,7 @@ def _run_job(tmp_path: Path, scenario: str, nranks: int, strategy: str = "thread
     said = tmp_path / f"said_{scenario}_{nranks}_{strategy}"
     said.mkdir()
     start = time.monotonic()
-    proc = run_job(count, argv, timeout=HARD_LIMIT, stderr_to_stdout=True,
+    proc = run_cmd([launcher, "-n", str(count), *argv], timeout=HARD_LIMIT, stderr_to_stdout=True,
                    env={"MPIFUSION_TIMEOUT": str(DEADLINE), **strategy_env(strategy),
                         "FAULT_SAY_DIR": str(said), **env_extra})
     out = proc.stdout
@@ -268,14 +275,17 @@ def _per_rank(out: str, nranks: int, what: str) -> Dict[int, str]:
     return lines
 
 
-@strategy_param
-@pytest.mark.parametrize("nranks", RANKS)
-@pytest.mark.parametrize("scenario", ["mismatch", "withhold", "stall", "nobuffer", "nan",
-                                      "shape"])
-def test_fault_ends_with_error(tmp_path, scenario, nranks, strategy):
+SCENARIOS = ("mismatch", "withhold", "stall", "nobuffer", "nan", "shape")
+#: (nranks, strategy) of the tests below, under MPICH all, under Open MPI a covering few
+JOBS = [(n, s) for n in RANKS for s in NAMES]
+
+
+@pytest.mark.parametrize("scenario, nranks, strategy, mpi",
+                         with_openmpi([(c, n, s) for c in SCENARIOS for n, s in JOBS]))
+def test_fault_ends_with_error(tmp_path, scenario, nranks, strategy, mpi):
     env = {"MPIFUSION_CHECK_NANINF": "1"} if scenario == "nan" else {}
-    rc, out, elapsed = _run_job(tmp_path, scenario, nranks, strategy, **env)
-    where = f"{scenario} at {nranks} ranks under {strategy}"
+    rc, out, elapsed = _run_job(tmp_path, scenario, nranks, strategy, mpi=mpi, **env)
+    where = f"{scenario} at {nranks} ranks under {strategy} ({mpi})"
     assert rc != 0, f"{where} exited 0:\n{out[-3000:]}"
     for text in EXPECTED[scenario]:
         assert text in out, f"{where}: {text!r} not in output:\n{out[-3000:]}"
@@ -307,14 +317,13 @@ def test_healthy_job_passes(tmp_path, nranks, strategy):
     assert out.count(": ok") == nranks
 
 
-@strategy_param
-@pytest.mark.parametrize("nranks", RANKS)
-def test_dropped_step_is_refused_not_mixed(tmp_path, nranks, strategy):
+@pytest.mark.parametrize("nranks, strategy, mpi", with_openmpi(JOBS, salt=1))
+def test_dropped_step_is_refused_not_mixed(tmp_path, nranks, strategy, mpi):
     """Rank 1 drops step 1 (a NaN, ``reset(zero_grads=True)``) while its peers wait in theirs:
     its next collective (step 2) must not pair with their step 1. Every rank raises an
     ``OrderError`` naming both step serials, resets, and goes on; no rank ever gets a result
     that is not the exact mean of one step's inputs, and the job ends with exit 0."""
-    rc, out, elapsed = _run_job(tmp_path, "dropstep", nranks, strategy,
+    rc, out, elapsed = _run_job(tmp_path, "dropstep", nranks, strategy, mpi=mpi,
                                 MPIFUSION_CHECK_NANINF="1")
     where = f"dropstep at {nranks} ranks under {strategy}"
     wrong = [line for line in out.splitlines() if "wrong result" in line]
@@ -334,15 +343,14 @@ def test_dropped_step_is_refused_not_mixed(tmp_path, nranks, strategy):
     assert elapsed < 10 * DEADLINE, f"{where} took {elapsed:.1f} s"
 
 
-@strategy_param
-@pytest.mark.parametrize("nranks", RANKS)
-def test_node_size_disagreement_is_an_agreement_error(tmp_path, nranks, strategy):
+@pytest.mark.parametrize("nranks, strategy, mpi", with_openmpi(JOBS, salt=2))
+def test_node_size_disagreement_is_an_agreement_error(tmp_path, nranks, strategy, mpi):
     """Rank 1 alone is told another node size (one that does not divide the job): every rank
     raises an ``AgreementError`` naming node_size at construction -- not an OptionError on
     rank 1 while the others time out. Under every strategy: the options are compared
     whether or not the strategy uses them."""
     wrong = "3" if nranks == 2 else "2"
-    rc, out, elapsed = _run_job(tmp_path, "nodesize", nranks, strategy,
+    rc, out, elapsed = _run_job(tmp_path, "nodesize", nranks, strategy, mpi=mpi,
                                 rank1_env={"MPIFUSION_NODE_SIZE": wrong})
     where = f"nodesize at {nranks} ranks under {strategy}"
     said = _per_rank(out, nranks, "caught ")
@@ -356,13 +364,13 @@ def test_node_size_disagreement_is_an_agreement_error(tmp_path, nranks, strategy
     assert elapsed < 10 * DEADLINE, f"{where} took {elapsed:.1f} s"
 
 
-@strategy_param
-@pytest.mark.parametrize("nranks", RANKS)
-def test_sizes_either_side_of_inline_limit_are_an_order_error(tmp_path, nranks, strategy):
+@pytest.mark.parametrize("nranks, strategy, mpi", with_openmpi(JOBS, salt=3))
+def test_sizes_either_side_of_inline_limit_are_an_order_error(tmp_path, nranks, strategy,
+                                                               mpi):
     """With the construction check and the order check off, rank 1's buffer is larger than the
     inline limit and rank 0's smaller (shm: 1 MiB, thread: 64 KiB): the ranks would run
     different collectives; every rank raises an ``OrderError`` within the deadline."""
-    rc, out, elapsed = _run_job(tmp_path, "inline", nranks, strategy,
+    rc, out, elapsed = _run_job(tmp_path, "inline", nranks, strategy, mpi=mpi,
                                 MPIFUSION_CHECK_AGREEMENT="0", MPIFUSION_VERIFY_ORDER="0")
     where = f"inline at {nranks} ranks under {strategy}"
     said = _per_rank(out, nranks, "caught ")
