@@ -61,9 +61,13 @@ SIGTERM_CODES = {"mpich": (15, 9), "openmpi": (143,)}
 #: MPI_Finalize, the peers in the collective; a deadline does not end it either): they are
 #: not run, as the docs say.
 #: ``during``, the leaving rank's own collective was started, and its exit path ends the job.
+#: KeyboardInterrupt during: 1 where the rank exits past a collective still on its thread
+#: (mpifusion's exit without MPI_Finalize); where every rank's part of the step had finished
+#: first, the rank finalizes and Python ends itself with SIGINT, as it does for an uncaught
+#: KeyboardInterrupt: hydra reports 2, prterun 130 (seen once in 3 ranks, hierarchical)
 PLAIN_THREAD = {
     **{(way, "during"): codes for way, codes in
-       (("exit", (3, 9)), ("raise", (1,)), ("sigint", (1,)))},
+       (("exit", (3, 9)), ("raise", (1,)), ("sigint", (1, 2, 130)))},
     **{(way, moment): None for way in ("sigterm", "_exit") for moment in MOMENTS},
 }
 PLAIN_THREAD_DIES = {"_exit": (3, 9)}  # None above: os._exit's code, or SIGTERM's
