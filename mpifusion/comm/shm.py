@@ -16,7 +16,7 @@ user's communicator: the strategy is used only where it holds every rank):
   arena (a user's own numpy array), chunk by chunk, and holds a small all-reduce's copy of
   the rank's buffer (:meth:`ShmStream.publish`).
 
-Why the buffers are not MPI windows (issue 37): every MPI window holds one of the library's
+Why the buffers are not MPI windows: every MPI window holds one of the library's
 communicators (MPICH has 2,048 context ids) and ``MPI_Win_free`` is collective, so a window
 per buffer made the number of buffers a job may build in its life a budget, and freeing them
 needed a vote of every rank (hanging a job whose rank left early). And a window's pages are
@@ -51,7 +51,7 @@ is released; and the arena is built on plain files:
 So a user communicator costs a constant number of MPI communicators (its private duplicates
 and one control window per stream) whatever number of buffers it carries, and nothing
 collective runs at exit: both MPIs finalize cleanly with control windows still allocated
-and locked (measured, issue 37), so nothing of this module runs at exit.
+and locked (measured), so nothing of this module runs at exit.
 
 Memory ordering: MPI's unified memory model (both MPIs here) makes stores to a window visible
 to the other processes, but only ``MPI_Win_sync`` orders them against the barrier that tells
@@ -101,7 +101,7 @@ DESC_WORDS = 8
 #: small all-reduce whose buffer this rank published in its scratch (:meth:`ShmStream.publish`)
 PUBLISHED_WORD = ROW_WORDS - 1
 #: bytes of a stream's scratch per rank: arrays outside the windows are staged through it in
-#: rounds of this size (1 MiB: the size the prototype of issue 29 ran its chunks at)
+#: rounds of this size (1 MiB: the chunk size a prototype ran at)
 SCRATCH_BYTES = 1 << 20
 #: where the scratch starts in a rank's segment of the control window
 SCRATCH_OFFSET = PAGE

@@ -49,7 +49,7 @@ from .shm import DESC_WORDS, ShmStream
 #: predefined MPI types of the accumulators (fp32, fp64), by dtype.char
 _MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}
 #: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk (1 MiB: with the
-#: p source chunks it stays in a 2-4 MiB L2; the prototype of issue 29 measured it)
+#: p source chunks it stays in a 2-4 MiB L2; a prototype measured it)
 CHUNK_BYTES = 1 << 20
 #: a slice boundary falls on a multiple of this many elements, so two ranks rarely write
 #: one cache line (64 elements: at least 128 bytes in every dtype)

@@ -574,7 +574,7 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                            self._step)
         failed = task is not None and not pending and task.error is not None
         ahead = getattr(task.error, "steps", None) if failed else None
-        # the step ends here: its serial is never reused (issue 37); past a peer's serial
+        # the step ends here: its serial is never reused (a peer must never pair with it); past a peer's serial
         # named by an OrderError, where every rank saw the same error
         self._step = max(self._step + 1, ahead[1] + 1 if ahead is not None else 0)
         if pending or failed:  # the full grads, not the shard that got no result

@@ -9,7 +9,7 @@ gradients, GPT-2-small fp32 by default):
   the best raw segmented ``Allreduce`` + 1/n, in the same rounds, with a bf16 step of the
   ``shm`` strategy beside an fp32 run and one small (4-64 KiB) buffer per strategy; a
   strategy this job cannot run (threaded ones below MPI_THREAD_MULTIPLE) is skipped with its
-  reason (issue 29);
+  reason;
 * the raw MPI candidates on one contiguous buffer (the floor for this MPI), a naive
   ``Iallreduce`` of the flat buffer, per-param ``Iallreduce`` and torch gloo (when installed);
 * a sweep of message sizes (algbw/busbw, nccl-tests definitions, ``tools.bandwidth``) and of

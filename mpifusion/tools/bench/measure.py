@@ -33,7 +33,7 @@ from .settings import Settings, auto_group_sweep, auto_size_sweep
 from .workload import (HALF_DTYPE, auto_strategy, MiB, build_buffers, default_segment,
                        fallback_reason, full_step, grad_bytes, make_params, usable_strategies)
 
-#: buffer sizes of the small-buffer latency check (issue 29: no slower than thread)
+#: buffer sizes of the small-buffer latency check (shm must be no slower than thread)
 SMALL_BUFFER_BYTES = (4 << 10, 16 << 10, 64 << 10)
 #: steps per timed run of one small buffer: each step is timed, and the run's time is their
 #: median. A step is 25-60 us, where one descheduling of a rank (or a wake-up of another
@@ -238,7 +238,7 @@ def _median_step(bufs: Sequence[FusedCommBuffer], reps: int) -> float:
 
 
 def measure_small_buffers(b: Bench) -> None:
-    """Latency of one small fused buffer (4-64 KiB) per strategy, in rounds: issue 29 asks
+    """Latency of one small fused buffer (4-64 KiB) per strategy, in rounds: the target asks
     shm to be no slower than thread here, where a sync is a few barriers, not bytes."""
     b.say("# small buffers: one fused buffer per strategy, 4-64 KiB (in rounds) ...")
     rows = []

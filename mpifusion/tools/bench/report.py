@@ -98,7 +98,7 @@ def table_side_by_side(res: dict) -> tuple:
 
 
 def table_small_buffers(res: dict) -> tuple:
-    """One small fused buffer per strategy: the latency issue 29 compares with thread."""
+    """One small fused buffer per strategy: the latency a shared-memory strategy must match against thread."""
     rows = []
     for r in res.get("small_buffers", []):
         keys = [k for k in r if isinstance(r[k], dict)]

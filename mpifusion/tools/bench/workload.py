@@ -29,7 +29,7 @@ def auto_strategy(comm: MPI.Comm) -> str:
     _, _, per, uneven = node_layout(comm, None, None)
     return resolve_strategy("auto", comm.Get_size(), per, uneven)[0]
 
-#: the dtype of the half-precision step measured beside an fp32 run (issue 29's target)
+#: the dtype of the half-precision step measured beside an fp32 run (half precision must keep pace)
 HALF_DTYPE = "bfloat16"
 
 _SEGMENTS: Dict[int, int] = {}
