@@ -84,6 +84,7 @@ def reuse(mib: int) -> None:
     step(buf, params, comm)
     assert buf.comm.in_shared_window(buf.grad_storage)
     buf.clear_grad_storage()
+    comm.Barrier()  # every rank's pages went back before rank 0 measures what is free
     filler = "/dev/shm/shm_memory_check.filler"
     if comm.Get_rank() == 0:
         st = os.statvfs("/dev/shm")

@@ -80,8 +80,10 @@ def run_cmds(cmds: Sequence[Sequence[str]], *, timeout: float = 240,
         try:
             out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            snapshot = session_snapshot(proc.pid)
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
+            out = f"{out or ''}\n{snapshot}"
             if not hang_ok:
                 for other in procs:  # leave nothing running behind a failed test
                     if other.poll() is None:
@@ -93,6 +95,25 @@ def run_cmds(cmds: Sequence[Sequence[str]], *, timeout: float = 240,
             continue
         results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
     return results
+
+
+def session_snapshot(root: int) -> str:
+    """What each process and thread under a hung job's launcher ``root`` was doing when it
+    was killed (state, the kernel function it sleeps in, its command; the launchers start
+    their ranks in sessions of their own), so a hang seen once in a long run says where."""
+    proc = subprocess.run(["ps", "-e", "-L", "-o", "pid=,tid=,ppid=,stat=,wchan:28=,args="],
+                          capture_output=True, text=True)
+    rows = [line.split(None, 5) for line in proc.stdout.splitlines()]
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for row in rows:
+            if len(row) >= 3 and int(row[2]) in tree and int(row[0]) not in tree:
+                tree.add(int(row[0]))
+                grew = True
+    lines = ["  ".join(row) for row in rows if len(row) >= 3 and int(row[0]) in tree]
+    return ("=== the job's processes when it was killed (pid tid ppid stat wchan command):\n"
+            + "\n".join(lines))
 
 
 def mpiexec(n: int, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
