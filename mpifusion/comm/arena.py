@@ -55,52 +55,49 @@ def free_bytes(folder: str = SHM_FOLDER) -> Optional[int]:
 
 
 _MADV_REMOVE = 9  # Linux: free a shared mapping's pages and their backing store
+_PROT_RW, _MAP_SHARED, _MAP_FAILED = 3, 1, ctypes.c_void_p(-1).value
 
 
-def _libc_madvise() -> Optional[Callable[..., int]]:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
-
-
-def punch(region: np.ndarray) -> bool:
-    """Give an arena region's pages back to the system (``madvise(MADV_REMOVE)``: the
-    shared memory behind them is freed and they read as zeros when touched again), so
-    ``release_grads`` saves memory with ``shm`` as it does with fresh arrays. Local: the
-    chunk stays mapped on every rank. ``region`` starts on a page and owns the rest of its
-    last page (``NodeMemory.reserve``). False where the system refused (then nothing
-    changed and the region keeps its values). Before the region is written again its pages
-    must be reserved again (:func:`refill`): a touch of a missing page with /dev/shm full is
-    SIGBUS."""
-    addr = region.ctypes.data
-    if _MADVISE is None or addr % PAGE or region.nbytes == 0:
-        return False
-    return _MADVISE(addr, round_up(region.nbytes), _MADV_REMOVE) == 0
-
-
-def _libc_mapper() -> Tuple[Optional[Callable[..., int]], Optional[Callable[..., int]]]:
+def _libc() -> Tuple[Optional[Callable[..., int]], Optional[Callable[..., int]],
+                     Optional[Callable[..., int]]]:
+    """libc's ``madvise``, ``mmap`` and ``munmap`` (Nones where there is no such libc)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mmap_fn, munmap_fn = libc.mmap, libc.munmap
+        madvise, mmap_fn, munmap_fn = libc.madvise, libc.mmap, libc.munmap
     except (OSError, AttributeError):
-        return None, None
+        return None, None, None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
     mmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                         ctypes.c_int, ctypes.c_long]
     mmap_fn.restype = ctypes.c_void_p
     munmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     munmap_fn.restype = ctypes.c_int
-    return mmap_fn, munmap_fn
+    return madvise, mmap_fn, munmap_fn
 
 
-_MMAP, _MUNMAP = _libc_mapper()
-_PROT_RW, _MAP_SHARED, _MAP_FAILED = 3, 1, ctypes.c_void_p(-1).value
+_MADVISE, _MMAP, _MUNMAP = _libc()
+if not sys.platform.startswith("linux"):
+    _MADVISE = None  # MADV_REMOVE is Linux's
+
+
+def _give_back(addr: int, nbytes: int) -> bool:
+    """``madvise(MADV_REMOVE)`` the pages from ``addr`` (a page start) to the page end past
+    ``nbytes``: True where they went back to the system."""
+    if _MADVISE is None or addr % PAGE or nbytes == 0:
+        return False
+    return _MADVISE(addr, round_up(nbytes), _MADV_REMOVE) == 0
+
+
+def punch(region: np.ndarray) -> bool:
+    """Give an arena region's pages back to the system (they read as zeros when touched
+    again), so ``release_grads`` saves memory with ``shm`` as it does with fresh arrays.
+    Local: the chunk stays mapped on every rank. ``region`` starts on a page and owns the
+    rest of its last page (``NodeMemory.reserve``). False where the system refused (then
+    nothing changed and the region keeps its values). Before the region is written again its
+    pages must be reserved again (:func:`refill`): a touch of a missing page with /dev/shm
+    full is SIGBUS."""
+    return _give_back(region.ctypes.data, region.nbytes)
 
 
 class _Mapping:
@@ -194,17 +191,9 @@ def _region_gone(chunk: Chunk, off: int, nbytes: int, freed: List[Tuple[Chunk, i
     """A region's last array is gone (weakref finalizer: any thread, inside a garbage
     collection too): give its pages back now, and queue its extent for the arena (taken under
     its lock at the next reservation). Nothing collective, nothing that can block."""
-    if nbytes and (_MADVISE is None or _MADVISE(chunk.base + off, nbytes, _MADV_REMOVE)):
+    if nbytes and not _give_back(chunk.base + off, nbytes):
         ctypes.memset(chunk.base + off, 0, nbytes)  # not given back: zero, as reuse expects
     freed.append((chunk, off, nbytes))
-
-
-#: regions alive (handed out, their arrays not gone yet): for leak checks and tests
-_LIVE_REGIONS = [0]
-
-
-def _count_region(delta: int) -> None:
-    _LIVE_REGIONS[0] += delta
 
 
 class Arena:
@@ -246,9 +235,18 @@ class Arena:
                 return chunk, off, 0
         return None, 0, 0
 
+    def take(self, chunk: Chunk, nbytes: int) -> int:
+        """The offset of ``nbytes`` taken from ``chunk``, just made by :meth:`grow` for them
+        (its pages reserved already)."""
+        with self._lock:
+            off = chunk.take(nbytes)
+        if off is None:
+            raise RuntimeError(f"a new chunk of {chunk.nbytes} bytes has no room for {nbytes}")
+        return off
+
     def unplace(self, chunk: Chunk, off: int, nbytes: int) -> None:
         """Undo :meth:`place` (the ranks agreed not to use the region)."""
-        punch_at(chunk.base + off, nbytes)
+        _give_back(chunk.base + off, nbytes)
         with self._lock:
             chunk.give(off, nbytes)
 
@@ -308,7 +306,6 @@ class Arena:
         """``region`` (an array of its own over ``[off, off + nbytes)`` of ``chunk``) gives
         its room back to this arena when its last array dies."""
         _REGION_OF[id(region)] = (chunk, off, round_up(nbytes))
-        _count_region(1)
         weakref.finalize(region, _forget_region, id(region), chunk, off, round_up(nbytes),
                          self._freed)
 
@@ -319,14 +316,9 @@ class Arena:
         return -1, 0
 
 
-def punch_at(addr: int, nbytes: int) -> bool:
-    if _MADVISE is None or addr % PAGE or nbytes == 0:
-        return False
-    return _MADVISE(addr, round_up(nbytes), _MADV_REMOVE) == 0
-
-
 #: ``id`` of a live region array -> (chunk, offset, bytes): what :func:`refill` reserves
-#: again (removed by the region's finalizer, so an id is never stale)
+#: again, and the regions alive for leak checks (removed by the region's finalizer, so an
+#: id is never stale)
 _REGION_OF: Dict[int, Tuple[Chunk, int, int]] = {}
 
 
@@ -350,10 +342,9 @@ def refill(region: np.ndarray) -> str:
 def _forget_region(key: int, chunk: Chunk, off: int, nbytes: int,
                    freed: List[Tuple[Chunk, int, int]]) -> None:
     _REGION_OF.pop(key, None)
-    _count_region(-1)
     _region_gone(chunk, off, nbytes, freed)
 
 
 def live_regions() -> int:
     """Arena regions whose arrays are still alive (for leak checks and tests)."""
-    return _LIVE_REGIONS[0]
+    return len(_REGION_OF)

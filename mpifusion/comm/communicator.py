@@ -21,8 +21,8 @@ the way collectives run is a *strategy* (``CommOptions.strategy``):
 
 ``shm``
     For the ranks of one node: each buffer's grad and param storage lives in shared memory
-    every rank of the node maps (the arena of ``shm.py``, :meth:`Communicator.reserve`), and each rank sums its slice of every rank's
-    buffer directly between two barriers (``shm_collectives.py``), on a communication thread
+    every rank of the node maps (the arena of ``shm.py``, :meth:`Communicator.reserve`),
+    and each rank sums its slice of every rank's buffer directly between two barriers (``shm_collectives.py``), on a communication thread
     as ``thread``. Where the ranks span nodes or the shared memory cannot be made, every rank
     falls back to ``thread`` (agreed at construction, logged with the reason; ``strategy``
     then says ``thread`` and ``shm_fallback`` why). Device (cupy) and non-contiguous arrays

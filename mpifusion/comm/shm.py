@@ -49,9 +49,9 @@ is released; and the arena is built on plain files:
   communicator is released; its mappings go when the last region in it is gone.
 
 So a user communicator costs a constant number of MPI communicators (its private duplicates
-and one control window per stream) whatever number of buffers it carries, and nothing
-collective runs at exit: both MPIs finalize cleanly with control windows still allocated
-and locked (measured), so nothing of this module runs at exit.
+and one control window per stream) whatever number of buffers it carries, and nothing of
+this module runs at exit: both MPIs finalize cleanly with control windows still allocated
+and locked (measured).
 
 Memory ordering: MPI's unified memory model (both MPIs here) makes stores to a window visible
 to the other processes, but only ``MPI_Win_sync`` orders them against the barrier that tells
@@ -493,8 +493,7 @@ class NodeMemory:
                     arena.unplace(chunk, off, total)
                 return [], reason
             if chunk is None:
-                with arena._lock:
-                    chunk, off = new, new.take(total)
+                chunk, off = new, arena.take(new, total)
         regions = []
         pages = arena.region(chunk, off, total)
         for o, (numel, dtype) in zip(offsets, sizes):

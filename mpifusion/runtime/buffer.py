@@ -205,11 +205,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self._grad_view = {p.name: grad_of(p, self.use_main_grad) for p in self._params}
 
     def _reserve_memory(self, with_params: bool) -> BufferMemory:
-        """The buffer's storage regions: with the ``shm`` strategy one region of the node's arena holding
-        the grad storage (and the param storage of a reduce-scatter or fused-param buffer),
-        made now -- collective, in construction order, after the agreement check -- and kept
-        for the buffer's lifetime, even where its grads are allocated only at the first
-        ``add_grad`` (``release_grads``). Fresh arrays otherwise."""
+        """The buffer's storage regions: with the ``shm`` strategy one region of the node's
+        arena holding the grad storage (and the param storage of a reduce-scatter or
+        fused-param buffer), made now -- collective, in construction order, after the
+        agreement check -- and kept for the buffer's lifetime, even where its grads are
+        allocated only at the first ``add_grad`` (``release_grads``). Fresh arrays
+        otherwise."""
         if self._comm is None:
             return BufferMemory()
         numel, dtype = self.layout.numel, self.layout.dtype
@@ -574,8 +575,8 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                            self._step)
         failed = task is not None and not pending and task.error is not None
         ahead = getattr(task.error, "steps", None) if failed else None
-        # the step ends here: its serial is never reused (a peer must never pair with it); past a peer's serial
-        # named by an OrderError, where every rank saw the same error
+        # the step ends here: its serial is never reused (a peer must never pair with it);
+        # past a peer's serial named by an OrderError, where every rank saw the same error
         self._step = max(self._step + 1, ahead[1] + 1 if ahead is not None else 0)
         if pending or failed:  # the full grads, not the shard that got no result
             if self._pre_comm_grads is not None:

@@ -119,7 +119,12 @@ def test_a_region_given_back_and_reused_when_shm_is_full_falls_back(which):
 CHURN, SPLITS = 600, 300
 
 
-def flat(out, mode, n):
+def ran_flat(which, mode, n, timeout):
+    """Run the script's ``mode`` for ``n`` iterations at 2 ranks; check every rank's resources
+    stayed flat from the warm-up to the end."""
+    proc = in_private_shm(which, 2, [mode, n], timeout=timeout)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
     rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"rank"')]
     assert len(rows) == 2, out[-3000:]
     for row in rows:
@@ -136,17 +141,13 @@ def flat(out, mode, n):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("which", MPIS)
 def test_buffers_built_and_closed_keep_resources_flat(which):
-    proc = in_private_shm(which, 2, ["churn", CHURN], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    flat(proc.stdout, "churn", CHURN)
+    ran_flat(which, "churn", CHURN, timeout=300)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("which", MPIS)
 def test_split_buffer_step_free_keeps_resources_flat(which):
-    proc = in_private_shm(which, 2, ["split", SPLITS], timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    flat(proc.stdout, "split", SPLITS)
+    ran_flat(which, "split", SPLITS, timeout=400)
 
 
 KILLED = """
