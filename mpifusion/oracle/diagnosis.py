@@ -22,8 +22,8 @@ KINDS = ("nonfinite", "scale", "missing", "duplicate", "local_only", "shift", "s
          "precision", "unexplained")
 #: the JSON fields each kind adds to ``kind``, ``text`` and ``ranks``
 FIELDS = {"scale": ("factor",), "missing": ("from_ranks", "steps"),
-          "duplicate": ("from_ranks", "steps"), "shift": ("offset",), "swap": ("with",),
-          "precision": ("dtype",)}
+          "duplicate": ("from_ranks", "steps"), "local_only": ("factor",), "shift": ("offset",),
+          "swap": ("with",), "precision": ("dtype",)}
 #: narrower dtypes a reduction may have been done in, tried in this order
 NARROW_DTYPES = ("float16", "bfloat16")
 #: slots on each side of the param whose references a shift may read from
@@ -92,6 +92,9 @@ class RankOutput:
     #: up to a few thousand wrong, finite elements (indices into ``out``): what the weights
     #: are fitted on, and where a model is tried before every element is
     sample: Optional[np.ndarray] = None
+    #: the contributions' values at ``sample`` (elements x contributions), where built: a
+    #: model is tried there by one product (dozens of models are tried per output)
+    columns: Optional[np.ndarray] = None
 
     @property
     def wrong(self) -> np.ndarray:
@@ -208,20 +211,36 @@ def model_bound(case: ParamCase) -> tuple:
     return 2 * m.rel, 2 * m.absolute
 
 
+def misfit(case: ParamCase, ro: RankOutput, w: np.ndarray) -> float:
+    """The largest error of weights ``w``'s model on the rank's elements beyond the stated
+    bound, in units of the model's bound (:func:`model_bound`): at most 1 where the model
+    explains the output. Two models that both explain an output are compared by it (the
+    one closer to the output explains it better). The sample is tried first: most models
+    fail there, and their misfit is then a lower bound (above 1 anyway)."""
+    rel, absolute = model_bound(case)
+    worst = 0.0
+    for idx in ((ro.sample, None) if ro.sample is not None else (None,)):
+        if idx is not None and ro.columns is not None:
+            value, mag = ro.columns @ w, np.abs(ro.columns) @ np.abs(w)
+        else:
+            value, mag = model(case, ro, w, idx)
+        out, bound = (ro.out, ro.bound) if idx is None else (ro.out[idx], ro.bound[idx])
+        tol = rel * mag + absolute + np.where(np.isfinite(bound), bound, 0)
+        wrong = ro.wrong if idx is None else np.ones(idx.size, dtype=bool)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            ratio = (np.abs(out - value) / tol)[wrong]
+        if ratio.size:
+            worst = max(worst, float(np.max(np.where(np.isnan(ratio), np.inf, ratio))))
+        if worst > 1:
+            break
+    return worst
+
+
 def explains(case: ParamCase, ro: RankOutput, w: np.ndarray) -> bool:
     """Whether weights ``w`` explain the rank's output within the model's bound on every
     element beyond the stated bound (a bug may touch part of a param only: gloo's reduce
     leaves a partial sum in one chunk and the full sum in the next)."""
-    rel, absolute = model_bound(case)
-    for idx in ((ro.sample, None) if ro.sample is not None else (None,)):
-        value, mag = model(case, ro, w, idx)  # the sample first: most models fail there
-        out, bound = (ro.out, ro.bound) if idx is None else (ro.out[idx], ro.bound[idx])
-        tol = rel * mag + absolute + np.where(np.isfinite(bound), bound, 0)
-        wrong = ro.wrong if idx is None else np.ones(idx.size, dtype=bool)
-        with np.errstate(invalid="ignore", over="ignore"):
-            if not np.all(np.abs(out - value)[wrong] <= tol[wrong]):
-                return False
-    return True
+    return misfit(case, ro, w) <= 1
 
 
 def expected_weights(case: ParamCase, rank: int, ro: RankOutput) -> np.ndarray:
@@ -461,7 +480,10 @@ def find_precision(case: ParamCase, ranks: list) -> Optional[Diagnosis]:
     if best is None:
         return None
     dtype = best[0]
+    # the stated bound sums in fp32 even for half grads: name what it allows, not only a dtype
+    cause = ("a collective on half-precision data" if dtype == case.grad_dtype else
+             "a collective on half-precision data, or no fp32 main grads")
     return Diagnosis("precision", f"within the bound of the same reduction done in "
-                     f"{dtype}, but beyond the stated {case.grad_dtype} bound (accumulated "
-                     f"or reduced in {dtype}: a collective on half-precision data, or no "
-                     f"fp32 main grads)", list(ranks), dtype=dtype)
+                     f"{dtype} throughout, but beyond the stated bound ({case.grad_dtype} "
+                     f"grads summed in {reduce_dtype(case.grad_dtype)}): accumulated or "
+                     f"reduced in {dtype} ({cause})", list(ranks), dtype=dtype)

@@ -31,6 +31,8 @@ ACTS = ["all_reduce", "reduce", "rs_paddle", "rs_range"]
 SIZES = [(2, 1), (3, 4), (4, 2), (8, 3)]
 DST = 1
 SHIFT = 64
+#: the fields of a local-only output (the own sum, unscaled); "kind" is checked as a field
+LOCAL = {"kind": "local_only", "factor": 1.0}
 
 
 def _spec(nranks, acc, act, average=True):
@@ -151,7 +153,7 @@ def _case(kind, act, nranks, acc, seed=0, exact=False):
         expect = {q: (reducing[q], {"from_ranks": [n - 1], "steps": list(range(acc))})
                   for q in names}
         if div == 1:  # the mean over rank 0 alone: where rank 0 alone holds it, local-only
-            expect.update({q: ([0], {}) for q in names if reducing[q] == [0]})
+            expect.update({q: ([0], LOCAL) for q in names if reducing[q] == [0]})
     elif kind == "missing_step":  # step 0 overwritten on every rank (or rank 0's only)
         mult = _ones(n, acc)
         if acc > 1:
@@ -171,7 +173,7 @@ def _case(kind, act, nranks, acc, seed=0, exact=False):
     elif kind == "local_only":  # no reduction: each rank keeps its own sum
         full = [{q: _reduce(grads[r:r + 1], q, _ones(1, acc), 1) for q in SHAPES}
                 for r in range(n)]
-        expect = {q: (reducing[q], {}) for q in names}
+        expect = {q: (reducing[q], LOCAL) for q in names}
     elif kind == "shift":  # the flat buffer copied out SHIFT elements late
         lay = _layout(spec)["a"]
         buf = np.zeros(lay.numel + SHIFT, np.float32)
@@ -273,8 +275,7 @@ def _assert_diagnosed(bug, act, nranks, acc, exact):
     assert set(report.diagnoses) == set(expect)
     for name, (ranks, fields) in expect.items():
         d = report.diagnoses[name]
-        kind = ("scale" if "factor" in fields else KIND_OF.get(bug, bug) if fields or
-                bug in ("local_only", "nonfinite", "unexplained") else "local_only")
+        kind = fields.get("kind") or ("scale" if "factor" in fields else KIND_OF.get(bug, bug))
         assert d.kind == kind, (name, d, str(report))
         assert d.ranks == sorted(ranks) == report.wrong_ranks(name), (name, d)
         doc = d.to_json()
@@ -536,3 +537,217 @@ def _without_diagnosis(spec, dumps):
         return check(spec, dumps), called
     finally:
         CHECK_MODULE.diagnose_failure = saved
+
+
+# --------------------------------------------------------------------------- Megatron-core
+# Bugs Megatron-core users met, each built from float64 references (the buggy output is a
+# weighted sum of the inputs in float64, rounded once to the grad dtype), awkward sizes, at
+# 2, 3 and 4 ranks: a diagnosis names every wrong rank's output right, at every rank count.
+
+#: awkward sizes: a 4-element bias (fewer elements than contributions at 3+ ranks x 2
+#: micro-steps), a prime-sized matrix, an odd vector
+MEGATRON = {"proj.weight": (37, 11), "proj.bias": (4,), "norm.weight": (129,)}
+RANKS = [2, 3, 4]
+
+
+def _megatron(nranks, acc, weights, *, dtype="float32", act="all_reduce", small=None,
+              exact=False, seed=0):
+    """``(spec, dumps)``: every rank's output of each param is ``sum_(r,k) W[r][k] x_(r,k)``
+    with ``W = weights(rank)`` (nranks x acc), computed in float64 and rounded once to
+    ``dtype``; ``small``: a rank whose gradients are 0.01 times the others' (its loss scaled
+    by 0.01); ``exact``: ``exact_inputs``; ``act``: all_reduce, or reduce_scatter with each
+    rank's ``range/`` piece."""
+    from mpifusion.oracle.inputs import exact_inputs
+
+    spec = {"params": [{"name": n, "shape": list(s), "dtype": dtype} for n, s in MEGATRON.items()],
+            "act": act, "nranks": nranks, "acc_steps": acc, "average": True}
+    half = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    raw = (lambda x: x.astype(half).view(np.uint16)) if dtype == "bfloat16" else (
+        lambda x: x.astype(half))
+    rng = np.random.default_rng(seed + 100 * nranks + acc)
+    grads = [[{n: (exact_inputs(spec, r, k)[n].astype(np.float64) if exact else
+                   (rng.standard_normal(s) * (0.01 if r == small else 1.0)).astype(half)
+                   .astype(np.float64)) for n, s in MEGATRON.items()}
+              for k in range(acc)] for r in range(nranks)]
+    dumps = []
+    for r in range(nranks):
+        w = np.asarray(weights(r), dtype=np.float64).reshape(nranks, acc)
+        d = {f"in/{n}/{k}": raw(grads[r][k][n]) for n in MEGATRON for k in range(acc)}
+        for n, shape in MEGATRON.items():
+            out = sum(w[q, k] * grads[q][k][n] for q in range(nranks) for k in range(acc))
+            if act == "reduce_scatter":
+                numel = int(np.prod(shape))
+                chunk = -(-numel // nranks)
+                lo, hi = min(r * chunk, numel), min((r + 1) * chunk, numel)
+                d[f"range/{n}"] = np.array([lo, hi], dtype=np.int64)
+                out = out.reshape(-1)[lo:hi]
+            d[f"out/{n}"] = raw(out)
+        dumps.append(d)
+    return spec, dumps
+
+
+def _diagnoses(spec, dumps, exact=False):
+    """``{name: diagnosis}`` of a failing check, each naming the param's wrong ranks."""
+    report = check(spec, dumps, exact=True) if exact else check(spec, dumps)
+    assert not report.ok and sorted(report.diagnoses) == sorted(report.failing), str(report)
+    for name, d in report.diagnoses.items():
+        assert d.ranks == report.wrong_ranks(name), (name, d)
+        assert "\n" not in d.text and "; on rank" not in d.text, (name, d.text)
+    return report.diagnoses
+
+
+@pytest.mark.parametrize("act", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("nranks", RANKS)
+def test_a_never_reduced_prescaled_bucket_is_local_only(nranks, act):
+    """Megatron pre-scales a bucket by 1/world before its all-reduce; the all-reduce ran on
+    a copy: every rank holds its own accumulated gradient times 1/n. ``local_only`` with
+    factor 1/n at every rank count: at 2 ranks too, where one rank's halved gradient alone
+    would also read as the mean missing the other rank (each rank would miss another)."""
+    def own(rank):
+        w = np.zeros((nranks, 2))
+        w[rank] = 1 / nranks
+        return w
+
+    diagnoses = _diagnoses(*_megatron(nranks, 2, own, act=act))
+    assert sorted(diagnoses) == sorted(MEGATRON)
+    for name, d in diagnoses.items():
+        assert (d.kind, d.factor) == ("local_only", pytest.approx(1 / nranks)), (name, d)
+        assert d.to_json()["factor"] == pytest.approx(1 / nranks)
+        assert f"times 1/{nranks} = 1/nranks" in d.text, d.text
+
+
+def test_one_rank_halved_at_two_ranks_stays_missing():
+    """At 2 ranks one rank alone holding its own gradient halved is the mean missing the
+    other rank (gloo's reduce leaves it on the non-root), and the same values as a
+    local-only output pre-scaled: ``missing``, the text naming the other reading; only
+    every rank holding its own makes it ``local_only``."""
+    def w(rank):
+        return np.array([[0.0], [0.5]]) if rank == 1 else np.full((2, 1), 0.5)
+
+    d = _diagnoses(*_megatron(2, 1, w))["proj.weight"]
+    assert (d.kind, d.ranks, d.from_ranks, d.steps) == ("missing", [1], [0], [0]), d
+    assert "the same values as this rank's own gradient times 1/2 (local_only" in d.text
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["random", "exact"])
+@pytest.mark.parametrize("nranks", RANKS)
+def test_a_rank_that_zeroes_its_grads_is_missing_for_small_params(nranks, exact):
+    """Rank 1 zeroes its grads before the reduce: every output is (the other ranks' sum)/n.
+    The 4-element bias has fewer wrong elements than the 2n contributions, too few for a
+    weight per contribution: ``missing`` rank 1 all the same (a weight per rank fits it)."""
+    def others(rank):
+        w = np.full((nranks, 2), 1 / nranks)
+        w[1] = 0
+        return w
+
+    diagnoses = _diagnoses(*_megatron(nranks, 2, others, exact=exact), exact=exact)
+    assert sorted(diagnoses) == sorted(MEGATRON)
+    for name, d in diagnoses.items():
+        assert (d.kind, d.from_ranks, d.steps) == ("missing", [1], [0, 1]), (name, d)
+        assert f"divided by {nranks} = nranks" in d.text, d.text
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("acc", [1, 2])
+@pytest.mark.parametrize("nranks", RANKS)
+def test_a_small_magnitude_rank_dropped_is_missing(nranks, acc, seed):
+    """bf16 grads, rank 1's loss scaled by 0.01, then rank 1's contribution dropped (the
+    others' sum over n): the loss is within the bf16 bound of a scale near 1 and of a bf16
+    reduction too, but the dropped rank explains it at least as well, and is the bug."""
+    def dropped(rank):
+        w = np.full((nranks, acc), 1 / nranks)
+        w[1] = 0
+        return w
+
+    diagnoses = _diagnoses(*_megatron(nranks, acc, dropped, dtype="bfloat16", small=1,
+                                      seed=seed))
+    assert diagnoses  # the loss is beyond the bound somewhere
+    for name, d in diagnoses.items():
+        assert (d.kind, d.from_ranks, d.steps) == ("missing", [1], list(range(acc))), (name, d)
+
+
+@pytest.mark.parametrize("nranks", RANKS)
+def test_a_doubled_micro_step_is_named(nranks):
+    """A param in two buckets is reduced twice within a step (2 micro-steps, no_sync on the
+    first). Every contribution doubled: ``scale`` 2, the text saying so; micro-step 0
+    doubled and micro-step 1 lost: ``duplicate`` of micro-step 0, the text naming the lost
+    micro-step too (not a mean over "the ranks present": every rank is present); micro-step
+    0 doubled alone: ``duplicate`` of micro-step 0."""
+    n = nranks
+
+    def every(rank):
+        return np.full((n, 2), 2 / n)
+
+    def first_twice_second_lost(rank):
+        return np.tile([2 / n, 0.0], (n, 1))
+
+    def first_twice(rank):
+        return np.tile([2 / n, 1 / n], (n, 1))
+
+    for name, d in _diagnoses(*_megatron(n, 2, every)).items():
+        assert (d.kind, d.factor) == ("scale", 2.0), (name, d)
+        assert "every contribution counted twice" in d.text, d.text
+    for weights in (first_twice_second_lost, first_twice):
+        lost = weights is first_twice_second_lost
+        for name, d in _diagnoses(*_megatron(n, 2, weights)).items():
+            assert (d.kind, d.from_ranks, d.steps) == ("duplicate", list(range(n)), [0]), \
+                (name, d)
+            assert "micro-step 0 on every rank are counted twice" in d.text, d.text
+            assert ("those of micro-step 1 on every rank are missing" in d.text) == lost, d.text
+            assert "ranks present" not in d.text, d.text
+            assert ("or summed where a mean was expected" in d.text) == (lost and n == 2)
+
+
+def test_a_sum_over_a_wrong_group_is_missing_not_doubled():
+    """Whole ranks lost and the rest at a uniform weight is the collective's divisor, never
+    a duplicate: rank 3 left out of a sum where a mean was expected (weight 1 = 4 times the
+    expected 1/4) is ``missing`` rank 3, "not divided"."""
+    def w(rank):
+        out = np.ones((4, 2))
+        out[3] = 0
+        return out
+
+    d = _diagnoses(*_megatron(4, 2, w))["proj.weight"]
+    assert (d.kind, d.from_ranks, d.steps) == ("missing", [3], [0, 1]), d
+    assert "divided by 1: a sum where a mean was expected" in d.text, d.text
+
+
+def test_ranks_with_different_bugs_are_each_explained():
+    """3 ranks: ranks 1 and 2 hold the sum (``scale`` 3), rank 0 its own gradient
+    (``local_only``): the kind is the one most ranks share, the text starts with the ranks
+    it holds for, then each other group's ranks, kind and text."""
+    def w(rank):
+        if rank == 0:
+            out = np.zeros((3, 1))
+            out[0] = 1
+            return out
+        return np.ones((3, 1))
+
+    report = check(*_megatron(3, 1, w))
+    d = report.diagnoses["proj.weight"]
+    assert (d.kind, d.factor, d.ranks) == ("scale", 3.0, [0, 1, 2]), d
+    assert d.text.startswith("on ranks 1, 2: every element is the reference times 3"), d.text
+    assert "; on rank 0: local_only: the output is the rank's own accumulated gradient" \
+        in d.text, d.text
+
+
+def test_every_text_form_is_documented():
+    """docs/oracle.md's Diagnosis section names every kind, every field and every part a
+    text may end in or start with."""
+    from pathlib import Path
+
+    from mpifusion.oracle.diagnose import FIELDS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "oracle.md").read_text()
+    section = doc[doc.index("## Diagnosis"):]
+    section = " ".join(section[:section.index("\n## ", 1)].split())  # lines wrapped anywhere
+    for kind in KINDS:
+        assert f"`{kind}`" in section, kind
+    for fields in FIELDS.values():
+        for name in fields:
+            assert f"`{name}`" in section, name
+    for part in ("(wrong output on", "on ranks", "; in k of m elements, the rest right",
+                 "counted twice", "the ranks present", "= nranks", "= acc_steps",
+                 "element(s) at one end hold other values", "partly from the neighbour",
+                 "no diagnosis (", "worst", "the same values as this rank's own gradient"):
+        assert part in section, part
