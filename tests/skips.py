@@ -74,9 +74,9 @@ CATEGORIES: Tuple[Category, ...] = (
     Category("compiler", r"no C compiler|no compiled kernel",
              "the half-precision kernel is an optional C extension; without a compiler the "
              "install uses numpy's casts, which every run tests", auto=_no_compiler),
-    Category("frameworks", r"\b(torch|jax|paddle|matplotlib)\b",
-             "scripts/test.sh installs torch, jax and paddle unless MPIFUSION_TEST_EXTRAS "
-             "says otherwise"),
+    Category("frameworks", r"\b(torch|jax|paddle|megatron|matplotlib)\b",
+             "scripts/test.sh installs torch, jax, paddle and megatron-core unless "
+             "MPIFUSION_TEST_EXTRAS says otherwise"),
 )
 
 

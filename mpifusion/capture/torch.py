@@ -75,7 +75,9 @@ class TorchCapture(Recorder):
     the last backward; before ``optimizer.step``/``zero_grad``); then ``to_dict()``,
     ``gather()`` (the list of every rank's dict, on ``dst``), ``save(dir)`` and ``spec()``.
     ``attr`` names the grad to read as the output (``"main_grad"`` for Megatron-style fp32
-    main grads)."""
+    main grads). The inputs are what the tensor hooks see, so where a framework writes the
+    weight grads straight into ``main_grad`` (Megatron's ``gradient_accumulation_fusion``)
+    no hook sees them: record such a model with the fusion off."""
 
     def __init__(self, model: Any, *, rank: Optional[int] = None,
                  nranks: Optional[int] = None, attr: str = "grad", gather: bool = False) -> None:

@@ -23,21 +23,22 @@ def blocks() -> dict:
     section = text[start:end if end >= 0 else len(text)]
     found = {}
     for code in re.findall(r"```python\n(.*?)```", section, re.S):
-        for name in ("torch", "paddle", "jax"):
-            if re.search(rf"^import {name}\b", code, re.M):
+        for name in ("megatron", "torch", "paddle", "jax"):  # Megatron's block imports torch
+            if re.search(rf"^\s*(import|from) {name}\b", code, re.M):
                 found[name] = code
                 break
     return found
 
 
 def test_the_section_has_a_block_per_framework():
-    assert sorted(blocks()) == ["jax", "paddle", "torch"]
+    assert sorted(blocks()) == ["jax", "megatron", "paddle", "torch"]
 
 
 @pytest.mark.parametrize("framework, last", [
     ("torch", r"^0\.weight [\d.e-]+ of the bound; 4 all-gathers exact$"),
     ("paddle", r"^PASS: 4 params within the bound$"),
     ("jax", r"^PASS: 2 params within the bound$"),
+    ("megatron", r"^PASS: 2 step\(s\), 4 params each within the bound$"),
 ])
 def test_oracle_block_runs(tmp_path, framework, last):
     if importlib.util.find_spec(framework) is None:

@@ -3,8 +3,10 @@ checked by the oracle (tests/oracle/test_conformance.py asserts every row).
 
 Each peer runs once (``launch``) and writes one dump directory per case; ``observe`` reads
 what the oracle says about a case (verdict, failing params, failing ranks, each failing
-param's diagnosis); ``render`` makes README's table from the observations. Regenerate the
-table after a change (runs both peers, about 20 s)::
+param's diagnosis; for a peer that checks several training steps, ``step{k}/`` dumps, the
+diagnosis of the first step each param fails in, every failing step's kept in ``steps``);
+``render`` makes README's table from the observations. Regenerate the table after a change
+(runs every peer, about 40 s)::
 
     python -m tests.oracle.conformance --write     # or --check: exit 1 when README differs
 """
@@ -25,12 +27,21 @@ NRANKS = 2
 
 TINY = ["fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight", "fc2.bias",
         "head.weight", "head.bias"]
+#: the params of Megatron's bucket 0 (bucket_size=500: the last layers, fc2 and head)
+MEGATRON_BUCKET0 = ["fc2.weight", "fc2.bias", "head.weight", "head.bias"]
+#: the Megatron bug both kinds of its DDP run with
+PER_TOKEN_LOSS = ("`calculate_per_token_loss=True`, the loss still the mean and nothing "
+                  "dividing by the token count")
 BLOCKS = ["stem.weight", "stem.bias", "blocks.0.weight", "blocks.0.bias", "blocks.1.weight",
           "blocks.1.bias", "head.weight", "head.bias"]
 
 #: peer -> (script under peers/, its extra argv, the framework it needs)
 SCRIPTS = {"torch": ("torch_buggy", [], "torch"),
-           "paddle": ("paddle_fused", ["--cases", "ar_acc2_pre,ar_acc2_pre_dropped"], "paddle")}
+           "paddle": ("paddle_fused", ["--cases", "ar_acc2_pre,ar_acc2_pre_dropped"], "paddle"),
+           "megatron": ("megatron_peer", [], "megatron")}
+#: peer -> seconds its whole run may take (``launch``'s default otherwise); megatron-core's
+#: import alone takes some 7 s, its 13 cases about 20 s at 2 ranks
+TIMEOUTS = {"megatron": 120}
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,10 @@ class Case:
     ranks: tuple = ()    # ranks on which they are wrong
     kind: Optional[str] = None          # the right diagnosis of every failing param
     fields: Dict[str, Any] = field(default_factory=dict)  # its key fields
+    #: params whose output, held by one rank, cannot tell ``kind`` from another reading (own
+    #: grad x 1/2 is also the mean missing the other rank): their diagnosis may name the
+    #: other reading, and must then name ``kind`` in its text too (README shows both)
+    ambiguous: tuple = ()
 
     @property
     def verdict(self) -> str:
@@ -90,17 +105,62 @@ MATRIX: List[Case] = [
     Case("paddle", "ar_acc2_pre_dropped", "Paddle `FusedCommBuffer`",
          "rank 1's hook drops `2.weight`'s grad of micro-step 0 before `add_grad`",
          ("2.weight",), (0, 1), "missing", {"from_ranks": [1], "steps": [0]}),
+    # Megatron-core DDP: 2 training steps (step{k}/ dumps; its first step launches the
+    # collectives from finish_grad_sync, the second from the backward hooks), 3 buckets:
+    # bucket 0 = fc2 + head (params laid out in reverse: head.bias first in the buffer)
+    Case("megatron", "megatron", "Megatron DDP", None),
+    Case("megatron", "megatron_per_token_loss", "Megatron DDP",
+         PER_TOKEN_LOSS,
+         tuple(TINY), (0, 1), "scale", {"factor": 2.0}),
+    Case("megatron", "megatron_scale_after", "Megatron DDP",
+         "`model.scale_gradients(0.5)` after `finish_grad_sync()`",
+         tuple(TINY), (0, 1), "scale", {"factor": 0.5}),
+    Case("megatron", "megatron_bucket_copy", "Megatron DDP",
+         "bucket 0's `start_grad_sync` overridden to all-reduce a `grad_data.clone()`, never "
+         "copied back",
+         tuple(MEGATRON_BUCKET0), (0, 1), "local_only"),
+    Case("megatron", "megatron_bf16_bucket", "Megatron DDP",
+         "bucket 0 all-reduced through a bfloat16 copy (`grad_data.to(torch.bfloat16)`, back)",
+         tuple(MEGATRON_BUCKET0), (0, 1), "precision", {"dtype": "bfloat16"}),
+    Case("megatron", "megatron_rank1_zeroes", "Megatron DDP",
+         "rank 1 zeroes its buckets right before they are reduced (its batch skipped)",
+         tuple(TINY), (0, 1), "missing", {"from_ranks": [1], "steps": [0, 1]}),
+    Case("megatron", "megatron_zero_between", "Megatron DDP",
+         "`zero_grad_buffer()` between the micro-steps too",
+         tuple(TINY), (0, 1), "missing", {"from_ranks": [0, 1], "steps": [0]}),
+    Case("megatron", "megatron_views_early", "Megatron DDP",
+         "after the sync, `main_grad` re-pointed one element early "
+         "(`grad_data[start - 1:end - 1]`; `head.bias`, first in the buffer, keeps its view)",
+         tuple(TINY[:-1]), (0, 1), "shift", {"offset": -1}),
+    Case("megatron", "megatron_param_twice", "Megatron DDP",
+         "`head.weight` (bucket 0) all-reduced once more with bucket 0's all-reduce",
+         ("head.weight",), (0, 1), "scale", {"factor": 2.0}),
+    # the distributed optimizer: reduce-scatter per bucket, each rank keeping its shard
+    # (out/ pieces with range/); a param wholly in one rank's shard is wrong on that rank only
+    Case("megatron", "megatron_distopt", "Megatron DDP + distributed optimizer", None),
+    Case("megatron", "megatron_distopt_per_token_loss", "Megatron DDP + distributed optimizer",
+         PER_TOKEN_LOSS,
+         tuple(TINY), (0, 1), "scale", {"factor": 2.0}),
+    Case("megatron", "megatron_distopt_bucket_copy", "Megatron DDP + distributed optimizer",
+         "bucket 0's `start_grad_sync` overridden to reduce-scatter a `grad_data.clone()` into "
+         "its own shard, never copied back",
+         tuple(MEGATRON_BUCKET0), (0, 1), "local_only",
+         ambiguous=("fc2.bias", "head.weight", "head.bias")),
+    Case("megatron", "megatron_distopt_rank1_zeroes", "Megatron DDP + distributed optimizer",
+         "rank 1 zeroes its buckets right before they are reduced (its batch skipped)",
+         tuple(TINY), (0, 1), "missing", {"from_ranks": [1], "steps": [0, 1]}),
 ]
 
 BY_NAME = {c.case: c for c in MATRIX}
 
 
-def launch(peer: str, out: Path, timeout: float = 150) -> None:
-    """Run one peer script under mpiexec (2 ranks, killed whole past ``timeout``); every
-    case of that peer lands in ``out/{case}``."""
+def launch(peer: str, out: Path, timeout: Optional[float] = None) -> None:
+    """Run one peer script under mpiexec (2 ranks, killed whole past ``timeout``: the
+    peer's in ``TIMEOUTS``, else 150 s); every case of that peer lands in ``out/{case}``."""
     from tests.helpers import free_ports, run_job
 
     script, extra, _ = SCRIPTS[peer]
+    timeout = timeout if timeout is not None else TIMEOUTS.get(peer, 150)
     argv = [sys.executable, str(PEERS / f"{script}.py"), str(out), *extra]
     if peer == "paddle":
         argv += ["--port", str(free_ports(NRANKS))]
@@ -118,18 +178,40 @@ class Observed:
     ranks: list
     nparams: int
     diagnosis: dict  # failing param -> its diagnosis dict ({} where the report has none)
+    #: step{k}/ dumps: failing step -> {failing param -> its diagnosis} ({} for one step)
+    steps: dict = field(default_factory=dict)
+    #: param -> the ranks whose dump holds its out/ (all of them unless sharded)
+    holders: dict = field(default_factory=dict)
 
 
 def observe(out: Path, case: str) -> Observed:
-    """What the oracle says about ``out/{case}``."""
+    """What the oracle says about ``out/{case}`` (one step, or ``step{k}/`` folders: the
+    diagnosis of the first step a param fails in, every failing step's in ``steps``)."""
+    import numpy as np
+
     from mpifusion.oracle import check
 
     d = out / case
     report = check(d / "spec.json", d)
     doc = report.to_json()
-    diag = {p["name"]: p.get("diagnosis") or {} for p in doc["params"] if not p["ok"]}
+    per_step = [(s["step"], s) for s in doc["steps"]] if "steps" in doc else [(None, doc)]
+    diag: dict = {}
+    steps: dict = {}
+    for k, one in per_step:
+        bad = {p["name"]: p.get("diagnosis") or {} for p in one["params"] if not p["ok"]}
+        for name, dg in bad.items():
+            diag.setdefault(name, dg)
+        if k is not None and bad:
+            steps[k] = bad
+    first = d / f"step{per_step[0][0]}" if per_step[0][0] is not None else d
+    holders: dict = {}
+    for r in range(NRANKS):
+        with np.load(first / f"rank{r}.npz") as z:
+            for key in z.files:
+                if key.startswith("out/"):
+                    holders.setdefault(key[4:], []).append(r)
     return Observed(case, doc["verdict"], list(report.failing), list(report.failing_ranks),
-                    len(doc["params"]), diag)
+                    len(per_step[0][1]["params"]), diag, steps, holders)
 
 
 # --------------------------------------------------------------------------- the table

@@ -6,7 +6,8 @@ and the ranks whose output is wrong, and the diagnosis must name the right kind 
 field. README's table is the matrix as observed here.
 
 Each peer script runs once per module (2 ranks under mpiexec, hard timeout), writing one dump
-per case. Skipped, with the reason, where torch or paddle is not installed.
+per case. Skipped, with the reason, where torch, paddle or megatron-core is not
+installed.
 """
 from __future__ import annotations
 
@@ -76,12 +77,17 @@ def _padding_offsets(out, case: str) -> dict:
     return shifts
 
 
-def _expect_kind(row: cf.Case, name: str, diag: dict, outputs) -> None:
+def _expect_kind(row: cf.Case, name: str, diag: dict, outputs, holders=None) -> None:
     assert diag, f"{row.case}: {name}: no diagnosis in the report"
+    if name in row.ambiguous and diag["kind"] != row.kind:
+        assert f"({row.kind}:" in diag["text"], (name, diag)  # the other reading named
+        return
     assert diag["kind"] == row.kind, (name, diag)
-    assert diag["ranks"] == list(row.ranks), (name, diag)
+    # the wrong ranks among those holding the param (a sharded output: its pieces' ranks)
+    held = holders.get(name) if holders else None
+    assert diag["ranks"] == [r for r in row.ranks if held is None or r in held], (name, diag)
     for key, want in row.fields.items():
-        if key == "offset":
+        if key == "offset" and isinstance(want, str):  # in words: Paddle's padding
             want = _padding_offsets(outputs(row.peer), row.case)[name]
         elif key == "with":
             want = want[name]
@@ -94,10 +100,14 @@ def _expect_kind(row: cf.Case, name: str, diag: dict, outputs) -> None:
 @pytest.mark.parametrize("case", BUGS)
 def test_diagnosis_kind(observed, outputs, case):
     """Each failing param's diagnosis: the right kind, the wrong ranks and the key field
-    (factor, from_ranks and steps, offset, with, dtype)."""
+    (factor, from_ranks and steps, offset, with, dtype), in every failing step of a peer that
+    checks several."""
     row, obs = cf.BY_NAME[case], observed(case)
     for name in obs.failing:
-        _expect_kind(row, name, obs.diagnosis[name], outputs)
+        _expect_kind(row, name, obs.diagnosis[name], outputs, obs.holders)
+    for k, diags in obs.steps.items():
+        for name, diag in diags.items():
+            _expect_kind(row, name, diag, outputs, obs.holders)
 
 
 def test_readme_table_is_the_observed_matrix(observed):

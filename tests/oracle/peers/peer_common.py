@@ -41,6 +41,37 @@ def tiny_model_class() -> Any:
     return Tiny
 
 
+def peer_parser() -> Any:
+    """The command line of a peer script that writes several cases: ``OUT [--nranks N]
+    [--cases a,b]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--nranks", type=int, default=2)
+    parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    return parser
+
+
+def run_and_exit(main: Any) -> None:
+    """Run a torch peer's ``main`` and end the process with its code, skipping torch's C++
+    teardown (every file is written and closed by then): its gloo threads can abort the
+    process at exit under load ("terminate called without an active exception", seen once in
+    CI after "done"). A rank that fails ends at once, so its sockets close, the peers'
+    collectives raise, and mpiexec ends the job instead of waiting."""
+    import sys
+    import traceback
+
+    try:
+        code = main()
+    except BaseException:  # noqa: B036 - whatever it was, this rank ends now
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def save_case(out: str, case: str, cap: Any, spec: dict, rank: int) -> None:
     """``OUT/{case}/rank{r}.npz`` from every rank and, from rank 0, ``OUT/{case}/spec.json``."""
     import json

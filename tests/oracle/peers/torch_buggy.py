@@ -26,22 +26,17 @@ every case reduces two micro-steps and declares the mean over ranks:
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import os
-import sys
 from contextlib import nullcontext
 
-from peer_common import init_gloo, launcher_rank, save_case, tiny_model_class
+from peer_common import (init_gloo, launcher_rank, peer_parser, run_and_exit, save_case,
+                         tiny_model_class)
 
 ACC = 2  # micro-steps of every case
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--nranks", type=int, default=2)
-    parser.add_argument("--cases", default="", help="comma-separated case names (default all)")
+    parser = peer_parser()
     args = parser.parse_args()
     import torch
     import torch.distributed as dist
@@ -249,15 +244,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except BaseException:  # noqa: B036 - end this rank now: its sockets close, the peers'
-        import traceback    # collectives raise, and mpiexec ends the job instead of waiting
-
-        traceback.print_exc()
-        code = 1
-    # every file is written and closed: skip torch's C++ teardown, whose gloo threads can
-    # abort the process at exit under load (see torch_peer.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_and_exit(main)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 
-from peer_common import init_gloo, launcher_rank, save_case, tiny_model_class
+from peer_common import (init_gloo, launcher_rank, run_and_exit, save_case,
+                         tiny_model_class)
 
 
 def main() -> int:
@@ -108,10 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # every file is written and closed: skip torch's C++ teardown, whose gloo threads can
-    # abort the process at exit under load ("terminate called without an active
-    # exception", seen once in CI after "done") -- a crash of the peer's exit, not a result
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run_and_exit(main)
