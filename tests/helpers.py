@@ -101,7 +101,8 @@ def session_snapshot(root: int) -> str:
     """What each process and thread under a hung job's launcher ``root`` was doing when it
     was killed (state, the kernel function it sleeps in, its command; the launchers start
     their ranks in sessions of their own), so a hang seen once in a long run says where."""
-    proc = subprocess.run(["ps", "-e", "-L", "-o", "pid=,tid=,ppid=,stat=,wchan:28=,args="],
+    proc = subprocess.run(["ps", "-ww", "-e", "-L", "-o",  # -ww: whole command lines
+                           "pid=,tid=,ppid=,stat=,wchan:28=,args="],
                           capture_output=True, text=True)
     rows = [line.split(None, 5) for line in proc.stdout.splitlines()]
     tree, grew = {root}, True
@@ -114,6 +115,30 @@ def session_snapshot(root: int) -> str:
     lines = ["  ".join(row) for row in rows if len(row) >= 3 and int(row[0]) in tree]
     return ("=== the job's processes when it was killed (pid tid ppid stat wchan command):\n"
             + "\n".join(lines))
+
+
+#: MPICH's hydra proxy (5.0.2 and its main branch, src/pm/hydra/proxy/pmip.c and pmip_cb.c)
+#: kills the other ranks when a rank's PMI socket closes before it finalized, unless that
+#: rank's exit status is already set, which it takes to mean the kill went out already. Its
+#: event loop also reaps exited ranks with waitpid after every event: when a rank's last
+#: output wakes the proxy and the rank has exited by the time of that waitpid (a loaded
+#: machine), its status is set first, the socket's close then kills nobody, and the job
+#: waits for ever (met twice in CI, both on a loaded machine).
+HYDRA_LOST_EXIT = "hydra reaped the exited rank before it saw its PMI socket close"
+
+
+def hydra_lost_an_exit(out: str, pid: int) -> bool:
+    """Whether a job that hung after rank ``pid`` left by ``os._exit`` hung in hydra's race
+    (HYDRA_LOST_EXIT): the launcher and proxy still there, ``pid`` reaped, other ranks alive."""
+    head, sep, snapshot = out.partition("=== the job's processes when it was killed")
+    if not sep or pid <= 0:
+        return False
+    rows = [line.split(None, 5) for line in snapshot.splitlines()[1:]]
+    pids = {int(r[0]) for r in rows if len(r) >= 6 and r[0].isdigit()}
+    commands = " ".join(r[5] for r in rows if len(r) >= 6)
+    return (pid not in pids and "hydra_pmi_proxy" in commands
+            and any(int(r[0]) != pid and "python" in r[5] for r in rows
+                    if len(r) >= 6 and r[0].isdigit()))
 
 
 def mpiexec(n: int, *argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
