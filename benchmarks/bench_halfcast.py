@@ -76,8 +76,8 @@ def main() -> None:
             times[k].append(t[k])
             ratios[k].append(t[k] / t["memcpy fp32"])
     print(f"# {n} elements ({n * 4 / 2**20:.1f} MiB fp32), {args.rounds} rounds x "
-          f"{args.repeat} calls; halfcast path: {halfcast.path()}; {cpu_model()}; "
-          f"numpy {np.__version__}")
+          f"{args.repeat} calls; halfcast path: {halfcast.path()}, bf16 {halfcast.kernel_path()}; "
+          f"{cpu_model()}; numpy {np.__version__}")
     print(f"| cast | ms (median) | / memcpy (median, min-max over rounds) |")
     print("| --- | --- | --- |")
     for k in cands:

@@ -329,13 +329,11 @@ static PyObject *py_narrow_bf16_int(PyObject *self, PyObject *args)
 { return run(args, (kernel_fn)narrow_bf16, 4, 2); }
 static PyObject *py_widen_bf16(PyObject *self, PyObject *args)
 { return run(args, (kernel_fn)widen_bf16, 2, 4); }
+static int bf16_best(void);
+static kernel_fn bf16_narrow_fn(int p);
 static PyObject *py_narrow_bf16(PyObject *self, PyObject *args)
-{
-#ifdef HC_F16C
-    if (cpu_usable())   /* integer only: MXCSR does not matter */
-        return run(args, (kernel_fn)narrow_bf16_hw, 4, 2);
-#endif
-    return run(args, (kernel_fn)narrow_bf16, 4, 2);
+{   /* integer or vcvtne2ps2bf16 (its own rounding): MXCSR does not matter */
+    return run(args, bf16_narrow_fn(bf16_best()), 4, 2);
 }
 
 /* The shm reduction of half-precision buffers (shm_collectives._sum_into) in one pass per
@@ -467,7 +465,251 @@ sum_f16_hw(const uint16_t *const *src, Py_ssize_t nsrc, uint16_t *const *dst,
     }
     return i;
 }
+
+/* AVX-512 (F, BW, VL: Skylake-SP and later, Zen 4): the bf16 sum and rounding 32 lanes per
+ * step, the last lanes through masks, so no element is left to sum_half's block passes.
+ * AVX512-BF16 (vcvtne2ps2bf16, Cooper Lake, Sapphire Rapids, Zen 4) packs 32 lanes in one
+ * instruction, always to nearest even whatever MXCSR says, but it reads fp32 subnormals as
+ * zero (DAZ: 0x00008001 gives 0x0000, ml_dtypes 0x0001) and keeps NaN payloads (0x7f810000
+ * gives 0x7fc1, ml_dtypes 0x7fc0): checked over all 2^32 patterns, every other input rounds
+ * alike. So a step with a subnormal lane takes the integer rounding for that step, and NaNs
+ * stop the sum / are counted and re-cast by the caller as elsewhere. The fp32 adds and the
+ * scale are the same instructions as numpy's (MXCSR rounding and FTZ/DAZ), 16 lanes wide;
+ * that is what still depends on the data: bf16 values (unlike fp16 ones) can be fp32
+ * subnormals, and a multiply that reads or makes one runs slower in hardware (all-subnormal
+ * sources: 2-3.7x the time on a Zen 4). Flushing them would change the bits. */
+#if (defined(__clang__) && __clang_major__ >= 11) || (!defined(__clang__) && __GNUC__ >= 10)
+#define HC_AVX512 1
+#define T512 "avx512f,avx512bw,avx512vl"
+#define T512BF16 "avx512f,avx512bw,avx512vl,avx512bf16"
+
+__attribute__((target(T512))) static inline __m512
+widen_bf16_16(const uint16_t *p, __mmask16 k)
+{
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* the integer rounding of narrow_bf16 on 16 lanes (NaN lanes: the quiet NaN it writes) */
+__attribute__((target(T512))) static inline __m512i
+round_bf16_16(__m512i x, __mmask16 isnan)
+{
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    __m512i nanv = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(x, 16),
+                                                    _mm512_set1_epi32(0x8000)),
+                                   _mm512_set1_epi32(0x7fc0));
+    return _mm512_mask_mov_epi32(r, isnan, nanv);
+}
+
+/* an integer compare, as narrow_bf16's NaN test */
+__attribute__((target(T512))) static inline __mmask16
+nan_lanes(__m512 x)
+{
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+}
+
+/* 32 rounded lanes (lo, hi: 16 each, values < 2^16) as 32 uint16 in order */
+__attribute__((target(T512))) static inline __m512i
+pack_32(__m512i lo, __m512i hi)
+{
+    const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    return _mm512_permutexvar_epi64(order, _mm512_packus_epi32(lo, hi));
+}
+
+/* lanes that are fp32 subnormals (nonzero, exponent field 0): those vcvtne2ps2bf16 zeroes */
+__attribute__((target(T512))) static inline __mmask16
+subnormal_lanes(__m512 x)
+{
+    __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, _mm512_set1_epi32(1)),
+                                   _mm512_set1_epi32(0x007fffff));
+}
+
+__attribute__((target(T512BF16))) static inline __m512i
+round_bf16_32_hw(__m512 lo, __m512 hi)
+{
+    if (subnormal_lanes(lo) | subnormal_lanes(hi))   /* rare: DAZ would zero them */
+        return pack_32(round_bf16_16(_mm512_castps_si512(lo), 0),
+                       round_bf16_16(_mm512_castps_si512(hi), 0));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+#define SUM_BF16_512(NAME, TARGET, ROUND32)                                                 \
+__attribute__((target(TARGET))) static Py_ssize_t                                          \
+NAME(const uint16_t *const *src, Py_ssize_t nsrc, uint16_t *const *dst, Py_ssize_t ndst,  \
+     float scale, int scaled, Py_ssize_t n)                                                \
+{                                                                                          \
+    const __m512 sc = _mm512_set1_ps(scale);                                               \
+    Py_ssize_t i = 0;                                                                      \
+    for (; i < n; i += 32) {                                                               \
+        Py_ssize_t left = n - i;                                                           \
+        __mmask16 klo = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);              \
+        __mmask16 khi = left >= 32 ? 0xffff : left <= 16 ? 0                               \
+                      : (__mmask16)((1u << (left - 16)) - 1u);                             \
+        __m512 lo = widen_bf16_16(src[0] + i, klo), hi = widen_bf16_16(src[0] + i + 16, khi); \
+        for (Py_ssize_t k = 1; k < nsrc; k++) {                                            \
+            lo = _mm512_add_ps(lo, widen_bf16_16(src[k] + i, klo));                        \
+            hi = _mm512_add_ps(hi, widen_bf16_16(src[k] + i + 16, khi));                   \
+        }                                                                                  \
+        if (scaled) {                                                                      \
+            lo = _mm512_mul_ps(lo, sc);                                                    \
+            hi = _mm512_mul_ps(hi, sc);                                                    \
+        }                                                                                  \
+        if (nan_lanes(lo) | nan_lanes(hi))   /* masked-off lanes are 0: never NaN */       \
+            return i;                                                                      \
+        __m512i r = ROUND32(lo, hi);                                                       \
+        __mmask32 k = (__mmask32)klo | ((__mmask32)khi << 16);                             \
+        for (Py_ssize_t d = 0; d < ndst; d++)                                              \
+            _mm512_mask_storeu_epi16(dst[d] + i, k, r);                                    \
+    }                                                                                      \
+    return n;                                                                              \
+}
+
+__attribute__((target(T512))) static inline __m512i
+round_bf16_32(__m512 lo, __m512 hi)
+{
+    return pack_32(round_bf16_16(_mm512_castps_si512(lo), 0),
+                   round_bf16_16(_mm512_castps_si512(hi), 0));
+}
+
+SUM_BF16_512(sum_bf16_512, T512, round_bf16_32)
+SUM_BF16_512(sum_bf16_512bf16, T512BF16, round_bf16_32_hw)
+
+/* narrow_bf16 32 lanes per step; NaN lanes get narrow_bf16's quiet NaN and are counted */
+#define NARROW_BF16_512(NAME, TARGET, ROUND32)                                              \
+__attribute__((target(TARGET))) static Py_ssize_t                                          \
+NAME(const uint32_t *restrict src, uint16_t *restrict dst, Py_ssize_t n)                   \
+{                                                                                          \
+    Py_ssize_t nans = 0;                                                                   \
+    for (Py_ssize_t i = 0; i < n; i += 32) {                                               \
+        Py_ssize_t left = n - i;                                                           \
+        __mmask16 klo = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);              \
+        __mmask16 khi = left >= 32 ? 0xffff : left <= 16 ? 0                               \
+                      : (__mmask16)((1u << (left - 16)) - 1u);                             \
+        __m512 lo = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(klo, src + i));           \
+        __m512 hi = _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(khi, src + i + 16));      \
+        __mmask16 nlo = nan_lanes(lo), nhi = nan_lanes(hi);                                \
+        __m512i r;                                                                         \
+        if (nlo | nhi) {                                                                   \
+            nans += __builtin_popcount((unsigned)nlo) + __builtin_popcount((unsigned)nhi); \
+            r = pack_32(round_bf16_16(_mm512_castps_si512(lo), nlo),                       \
+                        round_bf16_16(_mm512_castps_si512(hi), nhi));                      \
+        } else {                                                                           \
+            r = ROUND32(lo, hi);                                                           \
+        }                                                                                  \
+        _mm512_mask_storeu_epi16(dst + i, (__mmask32)klo | ((__mmask32)khi << 16), r);     \
+    }                                                                                      \
+    return nans;                                                                           \
+}
+NARROW_BF16_512(narrow_bf16_512, T512, round_bf16_32)
+NARROW_BF16_512(narrow_bf16_512bf16, T512BF16, round_bf16_32_hw)
 #endif
+#endif
+
+/* The bf16 paths (rounding, and the fused sum of up to SUM_GROUP sources), picked at run
+ * time from what this CPU has: the wheel is built for any x86-64 (or aarch64, where only
+ * "generic" exists) and every path gives the same bits (tests run each one this CPU has). */
+enum { BF16_GENERIC, BF16_AVX2, BF16_AVX512, BF16_AVX512BF16, BF16_NPATHS };
+static const char *const bf16_names[BF16_NPATHS] = {"generic", "avx2", "avx512", "avx512bf16"};
+#ifdef HC_F16C
+#define HC_F16C_NOW() f16c_usable()
+#else
+#define HC_F16C_NOW() 0
+#endif
+typedef Py_ssize_t (*fused_fn)(const uint16_t *const *, Py_ssize_t, uint16_t *const *,
+                               Py_ssize_t, float, int, Py_ssize_t);
+
+static int
+bf16_has(int p)
+{
+    switch (p) {
+    case BF16_GENERIC:
+        return 1;
+#ifdef HC_F16C
+    case BF16_AVX2:
+        return cpu_usable();
+#ifdef HC_AVX512
+    case BF16_AVX512:
+    case BF16_AVX512BF16: {
+        static int has[2] = {-1, -1};
+        int j = p == BF16_AVX512BF16;
+        if (has[j] < 0) {   /* libgcc's check includes the OS saving the zmm/mask state */
+            __builtin_cpu_init();
+            has[j] = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                     && __builtin_cpu_supports("avx512vl")
+                     && (!j || __builtin_cpu_supports("avx512bf16"));
+        }
+        return has[j];
+    }
+#endif
+#endif
+    default:
+        return 0;
+    }
+}
+
+static int
+bf16_best(void)
+{
+    static const int order[] = {BF16_AVX512BF16, BF16_AVX512, BF16_AVX2};
+    for (size_t k = 0; k < sizeof order / sizeof order[0]; k++)
+        if (bf16_has(order[k]))
+            return order[k];
+    return BF16_GENERIC;
+}
+
+static kernel_fn
+bf16_narrow_fn(int p)
+{
+    switch (p) {
+#ifdef HC_F16C
+    case BF16_AVX2: return (kernel_fn)narrow_bf16_hw;
+#ifdef HC_AVX512
+    case BF16_AVX512: return (kernel_fn)narrow_bf16_512;
+    case BF16_AVX512BF16: return (kernel_fn)narrow_bf16_512bf16;
+#endif
+#endif
+    default: return (kernel_fn)narrow_bf16;
+    }
+}
+
+static fused_fn
+bf16_sum_fn(int p)
+{
+    switch (p) {
+#ifdef HC_F16C
+    case BF16_AVX2: return sum_bf16_hw;
+#ifdef HC_AVX512
+    case BF16_AVX512: return sum_bf16_512;
+    case BF16_AVX512BF16: return sum_bf16_512bf16;
+#endif
+#endif
+    default: return NULL;
+    }
+}
+
+/* the path index named by a str argument, or -1 with ValueError (not a path of this CPU) */
+static int
+bf16_path_arg(PyObject *name)
+{
+    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    if (s == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "bf16 path: a str");
+        return -1;
+    }
+    for (int p = 0; p < BF16_NPATHS; p++)
+        if (strcmp(s, bf16_names[p]) == 0) {
+            if (bf16_has(p))
+                return p;
+            break;
+        }
+    PyErr_Format(PyExc_ValueError, "bf16 path %R: not one this CPU and build have", name);
+    return -1;
+}
 
 static void
 release_views(Py_buffer *views, Py_ssize_t got)
@@ -479,8 +721,9 @@ release_views(Py_buffer *views, Py_ssize_t got)
 /* sum_bf16 / sum_f16(sources, dests, scale or None, acc) -> elements done (see sum_half):
  * sources and dests are tuples of uint16 buffers of n elements, acc a float32 buffer of n */
 static PyObject *
-sum_call(PyObject *args, int bf16, int portable)
+sum_call(PyObject *args, int bf16, int path)   /* path: a BF16_ index, -1: the best here */
 {
+    int portable = path == BF16_GENERIC;
     PyObject *srcs, *dsts, *scale_obj, *acc_obj;
     if (!PyArg_ParseTuple(args, "O!O!OO", &PyTuple_Type, &srcs, &PyTuple_Type, &dsts,
                           &scale_obj, &acc_obj))
@@ -504,9 +747,13 @@ sum_call(PyObject *args, int bf16, int portable)
         widen = (kernel_fn)widen_f16;
         narrow = (kernel_fn)narrow_f16;
     }
+    int bp = path < 0 ? bf16_best() : path;
+    fused_fn bf16_sum = NULL;
+    if (bf16) {
+        narrow = bf16_narrow_fn(bp);
+        bf16_sum = bf16_sum_fn(bp);
+    }
 #ifdef HC_F16C
-    if (bf16 && !portable && cpu_usable())
-        narrow = (kernel_fn)narrow_bf16_hw;
     if (!bf16 && !portable && f16c_usable()) {
         widen = (kernel_fn)widen_f16_hw;
         narrow = (kernel_fn)narrow_f16_hw;
@@ -537,17 +784,15 @@ sum_call(PyObject *args, int bf16, int portable)
     }
     Py_ssize_t done_n;
     float *acc = (float *)views[total - 1].buf;
-    int fused = 0;   /* 1: sum_bf16_hw, 2: sum_f16_hw */
-#ifdef HC_F16C
+    int fused = 0;   /* 1: bf16_sum, 2: sum_f16_hw */
     if (ns <= SUM_GROUP && !portable)
-        fused = bf16 ? cpu_usable() : 2 * f16c_usable();
-#endif
+        fused = bf16 ? bf16_sum != NULL : 2 * HC_F16C_NOW();
     Py_ssize_t n = len / 2;
     Py_BEGIN_ALLOW_THREADS
     done_n = 0;
-#ifdef HC_F16C
     if (fused == 1)
-        done_n = sum_bf16_hw(sp, ns, dp, nd, scale, scaled, n);
+        done_n = bf16_sum(sp, ns, dp, nd, scale, scaled, n);
+#ifdef HC_F16C
     else if (fused == 2)
         done_n = sum_f16_hw(sp, ns, dp, nd, scale, scaled, n);
 #endif
@@ -673,13 +918,55 @@ done:
 static PyObject *py_sum_f32(PyObject *self, PyObject *args) { return sum_wide_call(args, 0); }
 static PyObject *py_sum_f64(PyObject *self, PyObject *args) { return sum_wide_call(args, 1); }
 
-static PyObject *py_sum_bf16(PyObject *self, PyObject *args) { return sum_call(args, 1, 0); }
-static PyObject *py_sum_f16(PyObject *self, PyObject *args) { return sum_call(args, 0, 0); }
+static PyObject *py_sum_bf16(PyObject *self, PyObject *args) { return sum_call(args, 1, -1); }
+static PyObject *py_sum_f16(PyObject *self, PyObject *args) { return sum_call(args, 0, -1); }
 /* sum_half over the portable kernels only, whatever the CPU: so tests cover that path */
 static PyObject *py_sum_bf16_int(PyObject *self, PyObject *args)
-{ return sum_call(args, 1, 1); }
+{ return sum_call(args, 1, BF16_GENERIC); }
 static PyObject *py_sum_f16_int(PyObject *self, PyObject *args)
-{ return sum_call(args, 0, 1); }
+{ return sum_call(args, 0, BF16_GENERIC); }
+
+/* the bf16 path sum_bf16 and narrow_bf16 take here, and every path this CPU has */
+static PyObject *py_bf16_path(PyObject *self, PyObject *noargs)
+{ return PyUnicode_FromString(bf16_names[bf16_best()]); }
+static PyObject *py_bf16_paths(PyObject *self, PyObject *noargs)
+{
+    PyObject *t = PyTuple_New(0);
+    for (int p = 0; t != NULL && p < BF16_NPATHS; p++) {
+        if (!bf16_has(p))
+            continue;
+        PyObject *name = PyUnicode_FromString(bf16_names[p]);
+        if (name == NULL || _PyTuple_Resize(&t, PyTuple_GET_SIZE(t) + 1) < 0) {
+            Py_XDECREF(name);
+            Py_XDECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, PyTuple_GET_SIZE(t) - 1, name);
+    }
+    return t;
+}
+
+/* sum_bf16_at(path, ...) / narrow_bf16_at(path, ...): sum_bf16 / narrow_bf16 on the named
+ * path (one of bf16_paths()), so tests cover every path of the CPU they run on */
+static PyObject *
+call_at(PyObject *args, int sum)
+{
+    if (PyTuple_GET_SIZE(args) < 1) {
+        PyErr_SetString(PyExc_TypeError, "the path name first");
+        return NULL;
+    }
+    int p = bf16_path_arg(PyTuple_GET_ITEM(args, 0));
+    if (p < 0)
+        return NULL;
+    PyObject *rest = PyTuple_GetSlice(args, 1, PyTuple_GET_SIZE(args));
+    if (rest == NULL)
+        return NULL;
+    PyObject *res = sum ? sum_call(rest, 1, p) : run(rest, bf16_narrow_fn(p), 4, 2);
+    Py_DECREF(rest);
+    return res;
+}
+static PyObject *py_sum_bf16_at(PyObject *self, PyObject *args) { return call_at(args, 1); }
+static PyObject *py_narrow_bf16_at(PyObject *self, PyObject *args) { return call_at(args, 0); }
 
 static PyMethodDef methods[] = {
     {"widen_f16", py_widen_f16, METH_VARARGS, "widen_f16(src_u16, dst_u32) -> NaN count"},
@@ -700,6 +987,11 @@ static PyMethodDef methods[] = {
     {"sum_f64", py_sum_f64, METH_VARARGS,
      "sum_f64(sources, out, scale) -> elements done (a NaN stops it)"},
     {"f16_path", py_f16_path, METH_NOARGS, "'f16c' or 'integer': the fp16 path used now"},
+    {"bf16_path", py_bf16_path, METH_NOARGS,
+     "the bf16 path used here: 'avx512bf16', 'avx512', 'avx2' or 'generic'"},
+    {"bf16_paths", py_bf16_paths, METH_NOARGS, "every bf16 path this CPU and build have"},
+    {"sum_bf16_at", py_sum_bf16_at, METH_VARARGS, "sum_bf16 on the named path (tests)"},
+    {"narrow_bf16_at", py_narrow_bf16_at, METH_VARARGS, "narrow_bf16 on the named path (tests)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,7 +17,9 @@ Why a small C kernel (``_halfcast.c``, built by ``setup.py``, optional):
   uses integer arithmetic, so the result does not depend on FPU flags set by other libraries.
   On x86-64 with AVX2/F16C it converts fp16 with F16C instructions (rounding mode given in
   the instruction) whenever this thread's MXCSR has flush-to-zero and denormals-are-zero off,
-  and rounds bf16 with AVX2; otherwise it runs portable integer loops the compiler vectorises.
+  and sums and rounds bf16 with AVX-512 (vcvtne2ps2bf16 where the CPU has AVX512-BF16) or
+  AVX2, picked at run time (:func:`kernel_path`); otherwise it runs portable integer loops
+  the compiler vectorises.
 
 The kernels count NaN inputs; when there are any, those elements alone are re-cast with the
 reference cast, so NaN payloads and quiet bits are exactly what numpy/ml_dtypes produce (F16C
@@ -101,6 +103,21 @@ def path() -> str:
     if not _enabled():
         return "numpy"
     return str(_kernels.f16_path())
+
+
+def kernel_path() -> str:
+    """Which bf16 kernel :func:`sum_half` and :func:`narrow` run here, picked at run time
+    from the CPU: ``'avx512bf16'`` (AVX-512 with vcvtne2ps2bf16), ``'avx512'``, ``'avx2'``,
+    ``'generic'`` (portable C loops) or ``'numpy'`` (no compiled module, or
+    ``$MPIFUSION_HALFCAST``). Every path gives the same bits."""
+    if not _enabled():
+        return "numpy"
+    return str(_kernels.bf16_path())
+
+
+def kernel_paths() -> tuple:
+    """Every bf16 kernel path this CPU and build have (empty without the compiled module)."""
+    return tuple(_kernels.bf16_paths()) if _kernels is not None else ()
 
 
 def _fast(src: Any, out: Any) -> bool:
@@ -208,8 +225,28 @@ def sum_wide(sources: Sequence[Any], out: Any, scale: Optional[float]) -> int:
         return 0
 
 
+def _sum_bf16_on(kernel: str, sources: Sequence[Any], dests: Sequence[Any],
+                 scale: Optional[float], acc: Any) -> int:
+    """:func:`sum_half` for bf16 on the named path of :func:`kernel_paths` (for tests)."""
+    factor = None if scale is None else float(np.float32(scale))
+    return int(_kernels.sum_bf16_at(kernel, tuple(s.reshape(-1).view(_u16) for s in sources),
+                                    tuple(d.reshape(-1).view(_u16) for d in dests), factor,
+                                    acc.reshape(-1).view(_u32)))
+
+
+def _narrow_bf16_on(kernel: str, src: Any, out: Any) -> Any:
+    """:func:`narrow` of contiguous fp32 to bf16 on the named path (for tests)."""
+    s32, o16 = src.reshape(-1).view(_u32), out.reshape(-1).view(_u16)
+    if _kernels.narrow_bf16_at(kernel, s32, o16):
+        flat, o = src.reshape(-1), out.reshape(-1)
+        nan = np.isnan(flat)
+        with np.errstate(invalid="ignore"):
+            o[nan] = flat[nan].astype(out.dtype)
+    return out
+
+
 def _contiguous(arr: Any) -> bool:
     return type(arr) is np.ndarray and arr.flags.c_contiguous
 
 
-__all__ = ["widen", "narrow", "path", "sum_half", "sum_wide"]
+__all__ = ["widen", "narrow", "path", "kernel_path", "kernel_paths", "sum_half", "sum_wide"]
