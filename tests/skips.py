@@ -12,7 +12,7 @@ skip fails the run unless its reason falls in a category allowed here:
 - when the machine cannot do better: ``root`` for a non-root user, ``compiler`` where no C
   compiler is installed (the half-precision kernel is an optional extension);
 - only when asked with ``MPIFUSION_ALLOW_SKIPS=cat1,cat2`` (scripts/test.sh asks for what it
-  was told not to install): ``frameworks``, ``openmpi``, ``slurm``.
+  was told not to install): ``frameworks``, ``openmpi``, ``impi``, ``slurm``.
 
 Every other reason, including one no category knows, fails: a new skip is reviewed once,
 here, instead of being ignored in every run.
@@ -67,6 +67,8 @@ CATEGORIES: Tuple[Category, ...] = (
              "another rank count runs it (report checks that one did)", always=True),
     Category("openmpi", r"Open ?MPI|OPENMPI",
              "the Open MPI runs need a second venv (.ci/run makes .venv-ompi)"),
+    Category("impi", r"Intel MPI|IMPI",
+             "the Intel MPI runs need a third venv (.ci/run makes .venv-impi)"),
     Category("slurm", r"[Ss]lurm|sbatch",
              "the Slurm tests need root and apt-get, or an installed Slurm"),
     Category("root", r"needs root",

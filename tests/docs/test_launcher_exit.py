@@ -13,10 +13,12 @@ on any non-zero exit.)
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_job
+from tests.faults.strategies import impi_python
+from tests.helpers import run_cmd, run_job
 
 SCRIPT = """\
 import os, sys
@@ -64,3 +66,23 @@ def test_plain_python_exit_leaves_the_job_waiting(tmp_path, mode):
     assert out.returncode is None, (
         f"the job ended by itself (exit {out.returncode}); the docs say it waits:\n"
         + out.stdout + out.stderr)
+
+
+#: Intel MPI's hydra (impi-rt 2021.18): a dead rank's job ends with 255 ("BAD TERMINATION"),
+#: the others with the rank's own code (measured 2026-12-06)
+IMPI_CODES = {("m", "exit"): 3, ("m", "raise"): 1, ("m", "_exit"): 255, ("plain", "_exit"): 255}
+
+
+@pytest.mark.parametrize("launch, mode", sorted(IMPI_CODES))
+def test_intel_mpi_ends_the_job(tmp_path, launch, mode):
+    """The cases that end the job under MPICH end it under Intel MPI too, as
+    docs/getting-started.md says ($MPIFUSION_IMPI_VENV)."""
+    python = impi_python()
+    script = tmp_path / "x.py"
+    script.write_text(SCRIPT)
+    mpiexec = str(Path(python).parent / "mpiexec")
+    cmd = [mpiexec, "-n", "2", python, *(["-m", "mpi4py"] if launch == "m" else []),
+           str(script), mode]
+    out = run_cmd(cmd, timeout=ENDS_WITHIN)
+    assert out.returncode == IMPI_CODES[(launch, mode)], out.stdout + out.stderr
+    assert "passed the barrier" not in out.stdout

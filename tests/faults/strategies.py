@@ -40,6 +40,16 @@ def openmpi_python() -> str:
     return python
 
 
+def impi_python() -> str:
+    """The Intel MPI venv's python ($MPIFUSION_IMPI_VENV, as scripts/test.sh uses it), or a
+    skip of the "impi" kind (tests/skips.py: allowed only when the run asks for it)."""
+    venv = os.environ.get("MPIFUSION_IMPI_VENV", "")
+    python = os.path.join(venv, "bin", "python")
+    if not venv or not os.path.exists(python):
+        pytest.skip("MPIFUSION_IMPI_VENV (a venv with mpi4py on Intel MPI) not set")
+    return python
+
+
 def covering(cells: Sequence[tuple], salt: int = 0) -> List[tuple]:
     """A few of ``cells`` (tuples, one value per axis) in which every value that some cell
     gives an axis appears at least once (each-choice): greedily the cell with the most

@@ -14,6 +14,7 @@ REASONS = {
     "needs root to run a writer as another user": "root",
     "no C compiler": "compiler",
     "MPIFUSION_SLURM_OPENMPI_VENV (a venv with mpi4py on Open MPI) not set": "openmpi",
+    "MPIFUSION_IMPI_VENV (a venv with mpi4py on Intel MPI) not set": "impi",
     "no Slurm cluster: Slurm is not installed and installing it needs root": "slurm",
     "could not import 'torch': No module named 'torch'": "frameworks",
     "paddle is not installed (pip install -e '.[paddle]')": "frameworks",
