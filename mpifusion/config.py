@@ -53,7 +53,7 @@ DEFAULT_STRATEGY = "auto"
 #: ``thread`` strategy's default segment size is the machine's (``machine.segment_for``).
 DEFAULT_SEGMENT_BYTES = 8 << 20
 #: ``nonblocking``: segments in flight per collective (measured: BENCHMARKS.md, "Nonblocking
-#: window"); 1 issues the next segment only when the previous one landed.
+#: window"); 1 starts the next segment only when the previous one landed.
 DEFAULT_WINDOW = 2
 MAX_WINDOW = 64
 #: Deadlines longer than this (about 31 years) mean "no deadline": waits take float seconds

