@@ -10,6 +10,7 @@ misbehaves. ``MPIFUSION_TEST_FAULT=KIND:RANK[:CALL]`` (unset: nothing happens) w
 - ``corrupt``: every grad it adds is off by 1.0, so the run's verdict is FAIL.
 
 Nothing is imported eagerly (the batch script probes mpi4py without starting MPI).
+``MPIFUSION_TEST_RECORD=DIR`` also has every task of a step write where it ran (``_record``).
 """
 import os
 import sys
@@ -74,3 +75,26 @@ if _FAULT and os.environ.get("SLURM_STEP_ID") is not None:
         raise ValueError(f"MPIFUSION_TEST_FAULT: unknown kind {_kind!r}")
     if os.environ.get("SLURM_PROCID") == _rank:
         _install(_kind, int(_rank), int(_rest[0]) if _rest else 3)
+
+
+def _record(folder: str) -> None:
+    """Where this task runs, as the multi-node tests check it (``MPIFUSION_TEST_RECORD=DIR``,
+    one ``step<STEP>-task<TASK>.json`` per task of a step): its host name, the Slurm node that
+    started it, its network namespace, and the rank Slurm's PMI hands to MPI."""
+    import json
+    import socket
+
+    step, task = os.environ.get("SLURM_STEP_ID", "?"), os.environ.get("SLURM_PROCID", "?")
+    record = {"step": step, "task": task, "hostname": socket.gethostname(),
+              "slurmd_node": os.environ.get("SLURMD_NODENAME", ""),
+              "netns": os.readlink("/proc/self/ns/net"),
+              "pmi_rank": os.environ.get("PMI_RANK", os.environ.get("PMIX_RANK", "")),
+              "ucx_tls": os.environ.get("UCX_TLS")}
+    path = os.path.join(folder, f"step{step}-task{task}.json")
+    with open(path + f".{os.getpid()}.tmp", "w") as out:
+        json.dump(record, out)
+    os.replace(path + f".{os.getpid()}.tmp", path)
+
+
+if os.environ.get("MPIFUSION_TEST_RECORD") and os.environ.get("SLURM_STEP_ID") is not None:
+    _record(os.environ["MPIFUSION_TEST_RECORD"])
