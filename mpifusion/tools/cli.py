@@ -367,13 +367,52 @@ def _strategy_default() -> Tuple[str, str]:
     return resolve_strategy(options.strategy, MPI.COMM_WORLD.Get_size(), per, uneven)
 
 
+#: ``mpifusion info``'s nodes line names this many nodes, then says how many more there are
+#: (``--json`` lists every one)
+NODES_SHOWN = 16
+
+
+def _node_map(comm: Any) -> list:
+    """Every node of ``comm`` and its ranks, ``[{"name": ..., "ranks": [...]}]`` in the order
+    of each node's lowest rank, from every rank's ``MPI.Get_processor_name()`` (collective:
+    one allgather of the names, as a node's shared-memory group cannot name itself)."""
+    from mpi4py import MPI
+
+    names = comm.allgather(MPI.Get_processor_name())
+    nodes: dict = {}
+    for rank, name in enumerate(names):
+        nodes.setdefault(name, []).append(rank)
+    return [{"name": name, "ranks": ranks} for name, ranks in nodes.items()]
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'ranks 0-2, 5'``; ``[3]`` -> ``'rank 3'``."""
+    parts, first = [], None
+    for i, r in enumerate(ranks):
+        if first is None:
+            first = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == first else f"{first}-{r}")
+            first = None
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
+
+
+def nodes_line(nodes: Sequence[dict]) -> str:
+    """``'2 (demo-n0: ranks 0-1, demo-n1: ranks 2-3)'``: the first ``NODES_SHOWN`` nodes."""
+    shown = [f"{n['name']}: {_rank_ranges(n['ranks'])}" for n in nodes[:NODES_SHOWN]]
+    if len(nodes) > NODES_SHOWN:
+        shown.append(f"... ({len(nodes) - NODES_SHOWN} more)")
+    return f"{len(nodes)} ({', '.join(shown)})"
+
+
 def collect_info() -> dict:
-    """What a user needs to know of the MPI and the devices this job sees."""
+    """What a user needs to know of the MPI and the devices this job sees (collective over
+    ``COMM_WORLD``: every rank's node is gathered)."""
     import mpi4py  # MPI, numpy and the array backends: only info and run load them
     import numpy
     from mpi4py import MPI
 
-    from ..arrays import backend
+    from ..arrays import backend, halfcast
     from ..arrays.cuda import is_cuda_aware
     from ..comm.shm import ranks_on_node
 
@@ -399,6 +438,7 @@ def collect_info() -> dict:
         "thread_level": level_name,
         "world_size": MPI.COMM_WORLD.Get_size(),
         "processor": MPI.Get_processor_name(),
+        "nodes": _node_map(MPI.COMM_WORLD),
         "segment_bytes": segment,
         "segment_source": source,
         "strategy": strategy,
@@ -408,6 +448,7 @@ def collect_info() -> dict:
         "cupy": getattr(cupy, "__version__", None) if cupy is not None else None,
         "gpus": gpus,
         "numpy": numpy.__version__,
+        "halfcast": f"bf16 {halfcast.kernel_path()}, fp16 {halfcast.path()}",  # kernels here
         "mpi4py": mpi4py.__version__,
         "mpifusion": __version__,
         "python": platform.python_version(),
@@ -428,7 +469,7 @@ def cmd_info(args: argparse.Namespace) -> int:
               "processor": "processor", "segment_bytes": "segment size",
               "cuda_aware_mpi": "CUDA-aware MPI",
               "cupy": "cupy", "gpus": "GPUs", "numpy": "numpy", "mpi4py": "mpi4py",
-              "mpifusion": "mpifusion", "python": "python"}
+              "mpifusion": "mpifusion", "python": "python", "halfcast": "half kernels"}
     for key, label in labels.items():
         value = info[key]
         if key == "cupy" and value is None:
@@ -443,7 +484,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             say(f"{'shared memory:':<16}{info['ranks_on_node']} of {info['world_size']} "
                 f"rank(s) on this node (" + ("shm can run" if whole else
                                              "shm falls back to thread") + ")")
-        if key == "processor":  # the Slurm view next to MPI's
+        if key == "processor":  # every node MPI reports, then the Slurm view next to MPI's
+            say(f"{'nodes:':<16}{nodes_line(info['nodes'])}")
             for slurm_label, slurm_value in summary_lines(view):
                 say(f"{slurm_label + ':':<16}{slurm_value}")
     if problem:

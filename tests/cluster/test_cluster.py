@@ -12,8 +12,8 @@ per node, under MPICH (the ``mpich`` wheel, ``UCX_TLS=tcp,self``) and Open MPI
    ``"auto"`` (which resolves to ``hierarchical``: 2 nodes of 2 ranks) match a float64 mean
    within fp32 rounding;
 3. an all-reduce of 4 MiB moves at least that many bytes over each node's link, both ways;
-4. ``python -m mpifusion info`` runs on the cluster (it prints rank 0's view: node n0 is
-   named, n1 is not; its strategy line counts the 2 nodes);
+4. ``python -m mpifusion info`` runs on the cluster: its processor is rank 0's node, its
+   nodes line names both nodes and their ranks, its strategy line counts the 2 nodes;
 5. ``stop`` leaves nothing (namespaces, links, state folder, processes), also after a start
    that failed half-way.
 
@@ -296,13 +296,13 @@ def test_data_crosses_the_links(net, mpi):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("mpi", MPIS)
 def test_info_on_the_cluster(net, mpi):
-    """``mpifusion info`` prints rank 0's view only: its node (n0) as the processor, the
-    world of 4, the ranks on its node, and ``auto`` resolved over the 2 nodes. (It does not
-    list the other nodes.)"""
+    """``mpifusion info``: rank 0's node (n0) as the processor, every node with its ranks,
+    the world of 4, the ranks on rank 0's node, and ``auto`` resolved over the 2 nodes."""
     proc = job(net, mpi, "-m", "mpifusion", "info")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert f"processor:      {net}-n0\n" in out, out
+    assert f"nodes:          2 ({net}-n0: ranks 0-1, {net}-n1: ranks 2-3)\n" in out, out
     assert "world size:     4\n" in out, out
     assert "strategy:       hierarchical (auto: 2 nodes of 2 ranks)" in out, out
     assert "shared memory:  2 of 4 rank(s) on this node" in out, out

@@ -21,8 +21,27 @@ def test_info_json(capsys):
     assert info["thread_level"] in ("single", "funneled", "serialized", "multiple")
     assert isinstance(info["cuda_aware_mpi"], bool) and info["world_size"] >= 1
     assert info["mpi_library"] and info["mpi_standard"].count(".") == 1
+    # one rank: one node, named as MPI names it
+    assert info["nodes"] == [{"name": info["processor"], "ranks": [0]}], info
     code, out, _ = run_cli(capsys, "info")
     assert code == 0 and "MPI library:" in out and "CUDA-aware MPI:" in out
+    assert f"nodes:          1 ({info['processor']}: rank 0)\n" in out, out
+
+
+def test_info_nodes_line_names_every_node_and_its_ranks():
+    """Ranks as ranges in rank order (nodes need not hold consecutive ranks), and past
+    NODES_SHOWN nodes a count of the rest instead of an endless line."""
+    from mpifusion.tools.cli import NODES_SHOWN, nodes_line
+
+    assert nodes_line([{"name": "a", "ranks": [0, 1]}, {"name": "b", "ranks": [2, 3]}]) == \
+        "2 (a: ranks 0-1, b: ranks 2-3)"
+    assert nodes_line([{"name": "a", "ranks": [0, 2, 3, 4, 7]}, {"name": "b", "ranks": [1]},
+                       {"name": "c", "ranks": [5, 6]}]) == \
+        "3 (a: ranks 0, 2-4, 7, b: rank 1, c: ranks 5-6)"
+    many = [{"name": f"n{i}", "ranks": [i]} for i in range(NODES_SHOWN + 3)]
+    line = nodes_line(many)
+    assert line.startswith(f"{NODES_SHOWN + 3} (n0: rank 0, n1: rank 1, "), line
+    assert line.endswith(f", n{NODES_SHOWN - 1}: rank {NODES_SHOWN - 1}, ... (3 more))"), line
 
 
 def test_info_says_the_default_segment_size_and_where_it_comes_from(capsys, monkeypatch,
@@ -70,6 +89,8 @@ def test_info_under_mpiexec_rank0_prints_world_size(comm, capsys):
         info = json.loads(out)
         assert info["world_size"] == comm.Get_size()
         assert info["ranks_on_node"] == comm.Get_size()  # one machine: every rank
+        assert info["nodes"] == [{"name": info["processor"],
+                                  "ranks": list(range(comm.Get_size()))}], info
         assert info["strategy"] == ("shm" if comm.Get_size() > 1 else "thread"), info
     else:
         assert out == ""
