@@ -13,6 +13,12 @@ decides whether each MPI call runs blocking (``thread``) or as its non-blocking 
   in flight, so a scratch ring of ``window`` slots is reused only after its call landed.
 - :func:`pause` is no MPI call: the thread engine sleeps, the other skips it; both first
   finish what is in flight (:data:`FENCE` is a pause of 0).
+- *Ahead* (``ahead=k``, pipelined calls only): a dependency the generator states. The call
+  is issued in its non-blocking form on every engine, once at most ``k`` earlier calls are
+  still in flight (the older ones completed and landed), so the generator can start the next
+  chunk's work while this one moves; without it (``None``, the default) the thread engine
+  runs a pipelined call blocking, in turn. The ``hierarchical`` inter-node steps use it: the
+  all-gather of chunk k waits for chunk k's reduce-scatter, not for chunk k+1's.
 - :data:`CHECK` starts the engine's order-check all-reduce (a persistent request made with
   the engine, ``Engine.start_check``): a fence, non-blocking on every engine.
 - ``comm``: the communicator the call runs on, where it is not the engine's own (the
@@ -48,6 +54,8 @@ class Call(NamedTuple):
     pause: float = 0.0
     check: bool = False
     comm: Any = None
+    #: pipelined: issued non-blocking once at most this many earlier calls are in flight
+    ahead: Optional[int] = None
 
 
 Steps = Iterator[Call]
@@ -59,9 +67,10 @@ _make = tuple.__new__  # Call(...) without its keyword handling: once per segmen
 
 
 def pipelined(method: str, args: tuple, kwargs: Mapping[str, Any] = NO_KWARGS,
-              land: Optional[Callable[[], None]] = None) -> Call:
+              land: Optional[Callable[[], None]] = None, comm: Any = None,
+              ahead: Optional[int] = None) -> Call:
     """A call the engine may keep in flight while the generator prepares the next one."""
-    return _make(Call, (method, args, kwargs, land, False, 0.0, False, None))
+    return _make(Call, (method, args, kwargs, land, False, 0.0, False, comm, ahead))
 
 
 def pause(seconds: float) -> Call:

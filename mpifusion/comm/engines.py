@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Deque, Optional
+from typing import Any, Deque, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -267,6 +267,12 @@ class NonBlockingEngine(Engine):
             if self.abandoned is not None:
                 self._stop(task, self._refused())
                 continue
+            if call.ahead is not None and not call.fence and len(inflight) > call.ahead:
+                try:  # the generator stated a dependency on an earlier call: land it first
+                    _land_until(inflight, call.ahead)
+                except Exception as exc:
+                    self._stop(task, exc)
+                    continue
             try:
                 request = (self.start_check() if method is None
                            else getattr(comm if call.comm is None else call.comm,
@@ -375,6 +381,18 @@ class NonBlockingEngine(Engine):
             self.thread.join(timeout=1.0)
 
 
+def _land_until(inflight: Deque[Any], keep: int) -> None:
+    """Wait for the oldest calls in flight, landing each in issue order, until at most
+    ``keep`` remain (what completed meanwhile lands too: a test of the oldest drives MPI's
+    progress for all of them)."""
+    while len(inflight) > keep or (inflight and inflight[0][0].Test()):
+        request, land, _args = inflight[0]
+        request.Wait()
+        inflight.popleft()
+        if land is not None:
+            land()
+
+
 #: nonblocking engines without a progress thread (MPI below MPI_THREAD_MULTIPLE): each
 #: caller's progress and waits move all of them (NonBlockingEngine._progress_others)
 _UNATTENDED: "weakref.WeakSet[NonBlockingEngine]" = weakref.WeakSet()
@@ -435,18 +453,28 @@ class ThreadEngine(Engine):
 
     def _run_steps(self, task: Collective, deadline: Optional[float]) -> bool:
         """The one loop over a task's calls: without ``deadline`` each call completes before
-        the next (a non-blocking form is waited for: see call.py); with one (``polled``
-        tasks, whose calls are all non-blocking) each is polled until the deadline."""
+        the next (a non-blocking form is waited for: see call.py), except a pipelined call
+        with ``ahead``, which stays in flight (``task.requests``) while the steps go on; with
+        a deadline (``polled`` tasks, whose calls are all non-blocking) each is polled until
+        the deadline, one at a time."""
         comm = self.comm
+        inflight = task.requests
         try:
             for call in task.steps:
                 method = call.method
+                ahead = call.ahead if deadline is None and not call.fence else None
+                _land_until(inflight, ahead or 0)
                 if method is None and not call.check:
                     if call.pause > 0:
                         time.sleep(call.pause)
                     continue
                 if self.abandoned is not None:
                     raise self._refused()
+                if ahead is not None:
+                    target = comm if call.comm is None else call.comm
+                    inflight.append((getattr(target, nonblocking_name(method))(
+                        *call.args, **call.kwargs), call.land, call.args))
+                    continue
                 out = (self.start_check() if method is None
                        else getattr(comm if call.comm is None else call.comm,
                                     method)(*call.args, **call.kwargs))
@@ -460,6 +488,8 @@ class ThreadEngine(Engine):
                     return False
                 if land is not None:
                     land()  # the call landed
+            if deadline is None:
+                _land_until(inflight, 0)
         except BaseException as exc:  # reported to the caller by wait()
             self._failed(task, exc)
         return True

@@ -30,10 +30,14 @@ ranks of the same local index on every node (``ShmStream.cross``): a reduce-scat
 all-gather of the blocks for all-reduce (each block summed in one place: the same bits on every
 node), a reduce for reduce, a reduce-scatter of the node sums of the shards this local index
 owns for reduce-scatter; all-gather runs over the nodes first, then within the node. Ranks
-are numbered node by node (rank = node * ranks per node + local rank).
+are numbered node by node (rank = node * ranks per node + local rank). From
+:data:`PIPE_MIN_BYTES` up the inter-node step of an all-reduce or reduce is a pipeline
+(:class:`_CrossPipe`): chunk k moves between the nodes while the node sums chunk k+1, with the
+same calls, sums and bits as one chunk after the other.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -42,7 +46,7 @@ from mpi4py import MPI
 from ..arrays import backend, halfcast
 from ..dtypes import HALF, float32
 from ..errors import CommError, OrderError
-from .call import Call, Steps
+from .call import FENCE, Call, Steps, pipelined
 from .order import order_error
 from .shm import DESC_WORDS, ShmStream
 
@@ -143,17 +147,127 @@ def _barrier(stream: ShmStream, call: Optional[Call] = None) -> Steps:
     stream.window.sync()
 
 
-Cross = Optional[Callable[[np.ndarray], Steps]]
+#: an all-reduce or reduce of at least this many bytes per rank runs ``hierarchical``'s
+#: inter-node step as a pipeline (:class:`_CrossPipe`); below it each chunk's inter-node calls
+#: are blocking, one after the other, which keeps a small buffer's latency
+PIPE_MIN_BYTES = 256 << 10
+#: accumulators of the pipeline: chunk k is summed in slot k % PIPE_SLOTS, which its calls
+#: use until it landed; the ``ahead`` bounds below make chunk k - PIPE_SLOTS land first
+PIPE_SLOTS = 4
+#: stream.work slots of the pipeline's accumulators and reduce-scatter parts (all-reduce),
+#: and of the node sums and results of a reduce-scatter's rounds
+_PIPE_ACC, _PIPE_PART = 16, 16 + PIPE_SLOTS
+_RS_BLOCK, _RS_OUT = 16 + 2 * PIPE_SLOTS, 16 + 3 * PIPE_SLOTS
+
+
+class _CrossPipe:
+    """``hierarchical``'s inter-node step of an all-reduce (``root_node`` None: a
+    reduce-scatter over the nodes, then an all-gather of the blocks, so each block is summed
+    in one place and every node holds the same bits) or of a reduce (to ``root_node``), for
+    every chunk of this rank's slice in turn, in the same order on every node.
+
+    Pipelined (``overlap``): chunk k's reduce-scatter is issued non-blocking and the stream
+    sums chunk k+1 on the node while it moves; chunk k's all-gather follows chunk k+1's
+    reduce-scatter (it waits for its own reduce-scatter only: ``Call.ahead``), and chunk k
+    is scaled and written (``land``) once its all-gather landed, in chunk order. A node
+    barrier (the end, or a staged round's end) needs :meth:`flush` first. Not pipelined,
+    each chunk's calls are blocking and it lands before the next is summed."""
+
+    def __init__(self, stream: ShmStream, root_node: Optional[int], overlap: bool) -> None:
+        self.stream, self.root_node, self.overlap = stream, root_node, overlap
+        self.k = 0          # chunks handed over (their accumulator slots: k % PIPE_SLOTS)
+        self.run = 0        # ... since the last flush, after which nothing is in flight
+        self.prev: Optional[tuple] = None   # the chunk whose all-gather comes next
+
+    def acc(self, n: int, dtype: Any) -> np.ndarray:
+        """The accumulator of the next chunk."""
+        slot = self.k % PIPE_SLOTS if self.overlap else 0
+        return self.stream.work(_PIPE_ACC + slot, n, dtype)
+
+    def hand_over(self, acc: np.ndarray, land: Callable[[], None]) -> Steps:
+        """Sum ``acc`` (this chunk's node sum) over the nodes, in place; ``land`` once it is
+        there."""
+        stream, k, run = self.stream, self.k, self.run
+        self.k += 1
+        self.run += 1
+        if self.root_node is not None:
+            here = stream.node == self.root_node
+            args = ((MPI.IN_PLACE, _spec(acc)) if here else (_spec(acc), None))
+            kwargs = {"op": MPI.SUM, "root": self.root_node}
+            if not self.overlap:
+                yield Call("Reduce", args, kwargs, comm=stream.cross)
+                land()
+                return
+            # chunk k+1 is summed once chunks up to k-2 landed: their slots are free
+            yield pipelined("Reduce", args, kwargs, land, comm=stream.cross,
+                            ahead=PIPE_SLOTS - 2)
+            return
+        counts, displs = _counts(acc.size, stream.nodes)
+        slot = k % PIPE_SLOTS if self.overlap else 0
+        part = stream.work(_PIPE_PART + slot, counts[stream.node], acc.dtype)
+        scatter = (_spec(acc), _spec(part))
+        kwargs = {"recvcounts": counts, "op": MPI.SUM}
+        if not self.overlap:
+            yield Call("Reduce_scatter", scatter, kwargs, comm=stream.cross)
+            yield Call("Allgatherv", self._blocks(acc, part, counts, displs),
+                       comm=stream.cross)
+            land()
+            return
+        yield pipelined("Reduce_scatter", scatter, kwargs, comm=stream.cross,
+                        ahead=PIPE_SLOTS - 1)
+        if self.prev is not None:
+            # issue order since the flush: RS(0), RS(1), AG(0), RS(2), AG(1), ...: AG(k-1)
+            # may leave AG(k-2) and RS(k) in flight, not RS(k-1); AG(0) only RS(1)
+            yield self._gather(*self.prev, ahead=2 if run >= 2 else 1)
+        self.prev = (acc, part, counts, displs, land)
+
+    def _blocks(self, acc: np.ndarray, part: np.ndarray, counts: list,
+                displs: list) -> tuple:
+        return (_spec(part), [acc, (counts, displs), _MPI_TYPES[acc.dtype.char]])
+
+    def _gather(self, acc: np.ndarray, part: np.ndarray, counts: list, displs: list,
+                land: Callable[[], None], ahead: int) -> Call:
+        return pipelined("Allgatherv", self._blocks(acc, part, counts, displs), land=land,
+                         comm=self.stream.cross, ahead=ahead)
+
+    def flush(self) -> Steps:
+        """Every chunk handed over has landed when this returns (before a node barrier)."""
+        if not self.overlap:
+            return
+        if self.prev is not None:
+            # ..., RS(K-1), AG(K-2), AG(K-1): only AG(K-2) may stay (none after one chunk)
+            yield self._gather(*self.prev, ahead=1 if self.run >= 2 else 0)
+            self.prev = None
+        self.run = 0
+        yield FENCE
+
+
+def _finish(acc: np.ndarray, dests: Sequence[np.ndarray], a: int, b: int,
+            scale: Optional[float], direct: bool = False) -> None:
+    """``dests[a:b] = scale * acc`` (rounded once where a dest is half; ``direct``: ``acc``
+    is ``dests[0][a:b]`` itself)."""
+    with np.errstate(all="ignore"):  # see IEEE_ONLY
+        if scale is not None:
+            backend.scale_(acc, scale)
+        if not dests:
+            return
+        first = acc if direct else dests[0][a:b]
+        if first.dtype in HALF:
+            halfcast.narrow(acc, first)
+        elif not direct:
+            first[...] = acc
+        for dest in dests[1:]:
+            dest[a:b] = first
 
 
 def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
               lo: int, hi: int, scale: Optional[float], chunk: int,
-              cross: Cross = None) -> Steps:
+              cross: Optional[_CrossPipe] = None) -> Steps:
     """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
     ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
     as half and rounded once where a dest is half), the same bits whoever computes it.
-    ``cross``: the calls that sum each chunk's accumulator over the nodes, in place, before
-    it is scaled (``hierarchical``; its chunks are the same on every node)."""
+    ``cross``: sums each chunk's accumulator over the nodes, in place, before it is scaled
+    and written (``hierarchical``; its chunks are the same on every node)."""
     if hi <= lo:
         return
     dtype = sources[0].dtype
@@ -168,10 +282,13 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
     fused = (half and cross is None and len(dests) > 0
              and all(d.dtype == dtype for d in dests))
     step = min(chunk, hi - lo)
-    acc_all = None if direct else stream.work(0, step, float32 if half else dtype)
+    wide = float32 if half else dtype
+    acc_all = None if direct or cross else stream.work(0, step, wide)
     tmp_all = stream.work(1, step, float32) if half else None
     for a in range(lo, hi, step):
         b = min(a + step, hi)
+        if cross is not None:
+            acc_all = cross.acc(step, wide)
         with np.errstate(all="ignore"):  # see IEEE_ONLY
             if fused:
                 a += halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
@@ -188,19 +305,9 @@ def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[
             else:
                 _add_in_rank_order([src[a:b] for src in sources], acc)
         if cross is not None:
-            yield from cross(acc)
-        with np.errstate(all="ignore"):
-            if scale is not None:
-                backend.scale_(acc, scale)
-            if not dests:
-                continue
-            first = acc if direct else dests[0][a:b]
-            if first.dtype in HALF:
-                halfcast.narrow(acc, first)
-            elif not direct:
-                first[...] = acc
-            for dest in dests[1:]:
-                dest[a:b] = first
+            yield from cross.hand_over(acc, partial(_finish, acc, dests, a, b, scale))
+        else:
+            _finish(acc, dests, a, b, scale, direct)
 
 
 def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
@@ -227,28 +334,6 @@ def _counts(m: int, n: int) -> Tuple[list, list]:
     """``n`` block sizes (differing by at most one) of ``m`` elements, and their offsets."""
     cuts = [m * i // n for i in range(n + 1)]
     return [cuts[i + 1] - cuts[i] for i in range(n)], cuts[:-1]
-
-
-def _cross_allreduce(stream: ShmStream) -> Callable[[np.ndarray], Steps]:
-    """Sum a node's accumulator over the nodes so that every node holds the same bits: a
-    reduce-scatter (each block summed in one place) then an all-gather of the blocks."""
-    def steps(acc: np.ndarray) -> Steps:
-        counts, displs = _counts(acc.size, stream.nodes)
-        part = stream.work(2, counts[stream.node], acc.dtype)
-        yield Call("Reduce_scatter", (_spec(acc), _spec(part)),
-                   {"recvcounts": counts, "op": MPI.SUM}, comm=stream.cross)
-        blocks = [acc, (counts, displs), _MPI_TYPES[acc.dtype.char]]
-        yield Call("Allgatherv", (_spec(part), blocks), comm=stream.cross)
-    return steps
-
-
-def _cross_reduce(stream: ShmStream, node: int) -> Callable[[np.ndarray], Steps]:
-    """Sum a node's accumulator over the nodes into node ``node``'s."""
-    def steps(acc: np.ndarray) -> Steps:
-        send = MPI.IN_PLACE if stream.node == node else _spec(acc)
-        recv = _spec(acc) if stream.node == node else None
-        yield Call("Reduce", (send, recv), {"op": MPI.SUM, "root": node}, comm=stream.cross)
-    return steps
 
 
 def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
@@ -320,9 +405,10 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     arrays = yield from _opening(
         stream, desc, flat, lambda: np.copyto(mine[:min(cap, flat.size)], flat[:cap]), name)
     staged = [q for q in range(p) if arrays[q] is None]
-    cross: Cross = None
-    if stream.cross is not None:
-        cross = _cross_allreduce(stream) if root is None else _cross_reduce(stream, root_node)
+    cross: Optional[_CrossPipe] = None
+    if stream.cross is not None:  # the same choice on every rank: the same buffer size
+        cross = _CrossPipe(stream, None if root is None else root_node,
+                           overlap=flat.nbytes >= PIPE_MIN_BYTES)
     rounds = _rounds(flat.size, cap if staged or cross else max(flat.size, 1))
     for i, (a, b) in enumerate(rounds):
         m = b - a
@@ -337,6 +423,8 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
         yield from _sum_into(stream, parts, dests, _cut(m, rank, p), _cut(m, rank + 1, p),
                              scale, chunk, cross)
         if staged or i == len(rounds) - 1:
+            if cross is not None:
+                yield from cross.flush()
             yield from _barrier(stream)
         if rank in staged and lands:
             flat[a:b] = mine[:m]
@@ -354,7 +442,9 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
     every shard that a node peer sums (not this rank's own, which it reads in place).
 
     ``hierarchical``: local rank ``l`` sums, over its node, the shards that local rank ``l``
-    of every node owns, then a reduce-scatter over those ranks gives each its own shard."""
+    of every node owns, then a reduce-scatter over those ranks gives each its own shard;
+    from :data:`PIPE_MIN_BYTES` up round i's reduce-scatter moves while the node sums round
+    i+1 (pipelined, as :class:`_CrossPipe`), and lands (scaled, written) in round order."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
     rank, p, nodes = stream.rank, stream.size, stream.nodes
     shard = recv.size
@@ -373,6 +463,7 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
         stream, desc, send, lambda: stage(0, min(piece_staged, shard)), name)
     staged = any(arr is None for arr in arrays)
     hier = stream.cross is not None
+    overlap = hier and send.nbytes >= PIPE_MIN_BYTES  # the same on every rank
     rounds = _rounds(shard, piece_staged if staged or hier else max(shard, 1))
     wide = float32 if send.dtype in HALF else send.dtype
     for i, (a, b) in enumerate(rounds):
@@ -390,20 +481,24 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
         if not hier:
             yield from _sum_into(stream, parts(owned[0]), [recv[a:b]], 0, w, scale, chunk)
         else:
-            block = stream.work(3, nodes * w, wide).reshape(nodes, w)
+            # round i's slots are free: its reduce-scatter follows round i-4's, and round
+            # i-1's left at most two earlier ones in flight
+            slot = i % PIPE_SLOTS if overlap else 0
+            block = stream.work(_RS_BLOCK + slot, nodes * w, wide).reshape(nodes, w)
             for k, s in enumerate(owned):
                 yield from _sum_into(stream, parts(s), [block[k]], 0, w, None, chunk)
-            out = stream.work(4, w, wide)
-            yield Call("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(out)),
-                       {"op": MPI.SUM}, comm=stream.cross)
-            with np.errstate(all="ignore"):
-                if scale is not None:
-                    backend.scale_(out, scale)
-                if recv.dtype in HALF:
-                    halfcast.narrow(out, recv[a:b])
-                else:
-                    recv[a:b] = out
+            out = stream.work(_RS_OUT + slot, w, wide)
+            args = (_spec(block.reshape(-1)), _spec(out))
+            land = partial(_finish, out, [recv], a, b, scale)
+            if overlap:
+                yield pipelined("Reduce_scatter_block", args, {"op": MPI.SUM}, land,
+                                comm=stream.cross, ahead=PIPE_SLOTS - 2)
+            else:
+                yield Call("Reduce_scatter_block", args, {"op": MPI.SUM}, comm=stream.cross)
+                land()
         if staged or i == len(rounds) - 1:
+            if overlap:
+                yield FENCE  # every round's result landed before the node's barrier
             yield from _barrier(stream)
     if others_scale is not None:
         with np.errstate(all="ignore"):

@@ -164,3 +164,107 @@ def test_node_size_must_divide_the_ranks():
     with pytest.raises(OptionError, match=r"rank 0: node_size: expected a divisor of the "
                                           r"communicator's 1 ranks, got 2"):
         Communicator(MPI.COMM_SELF, CommOptions(strategy="hierarchical", node_size=2))
+
+
+def _lazy_land_until(inflight, keep):
+    """The engine's landing with no early landing: calls stay in flight as long as their
+    ``ahead`` allows, so a chunk's scratch reused too soon shows in the result."""
+    while len(inflight) > keep:
+        request, land, _args = inflight.popleft()
+        request.Wait()
+        if land is not None:
+            land()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("lazy", [False, True], ids=["landed-early", "landed-late"])
+@pytest.mark.parametrize("staged", [False, True], ids=["in-windows", "staged"])
+@pytest.mark.parametrize("nodes,per", [(2, 2), (3, 2), (2, 4)], ids=lambda v: str(v))
+def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged, lazy,
+                                                       monkeypatch):
+    """The inter-node step as a pipeline (chunk k between the nodes while chunk k+1 is
+    summed on the node) against the same collective one chunk at a time: random values,
+    every dtype, all-reduce, reduce and reduce-scatter, every array in a window (one
+    pipeline over all rounds) or plain arrays on odd ranks (staged: a small scratch, many
+    rounds, a flush at every round's end), calls landed as soon as they completed or as
+    late as the pipeline allows.
+    The bits must match each other and every rank's, and lie within fp32 (fp64) rounding of
+    a float64 sum; the pipelined calls must have run with chunks in flight."""
+    from mpifusion.comm import engines, shm_collectives
+
+    monkeypatch.setattr(shm, "SCRATCH_BYTES", 16 << 10)
+    if lazy:
+        monkeypatch.setattr(engines, "_land_until", _lazy_land_until)
+    sub = sub_comm(comm, nodes, per)
+    if sub is None:
+        return
+    overlapped = []
+    real_flush = shm_collectives._CrossPipe.flush
+
+    def flush(pipe):
+        overlapped.append(pipe.overlap and pipe.k > 1)
+        return real_flush(pipe)
+    monkeypatch.setattr(shm_collectives._CrossPipe, "flush", flush)
+    try:
+        n, rank = sub.Get_size(), sub.Get_rank()
+        c = Communicator(sub, CommOptions(strategy="hierarchical", node_size=per,
+                                          segment_bytes=2048))
+        for dtype in (float32, np.dtype(np.float64), bfloat16, float16):
+            for numel, root in ((1, None), (6151, None), (20011, None), (20011, n - 2)):
+                draws = [np.random.default_rng([r, numel, 3]).standard_normal(numel)
+                         for r in range(n)]
+                region = c.reserve([(numel, dtype)], np.empty(0))
+                x = (region[0] if region and (rank % 2 == 0 or not staged)
+                     else np.empty(numel, dtype))
+                results = []
+                for pipe_min in (1 << 62, 0):
+                    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", pipe_min)
+                    x[...] = draws[rank].astype(dtype)
+                    task = (c.allreduce(x, scale=1.0 / n) if root is None
+                            else c.reduce(x, root=root, scale=1.0 / n))
+                    task.wait(timeout=60)
+                    results.append(x.copy())
+                what = f"{np.dtype(dtype).name} {numel} root {root} rank {rank}"
+                np.testing.assert_array_equal(results[0].view(np.uint8),
+                                              results[1].view(np.uint8), err_msg=what)
+                if root is None or rank == root:
+                    exact = sum(d.astype(dtype).astype(np.float64) for d in draws) / n
+                    wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+                    eps = np.finfo(wide).eps
+                    bound = (n * eps * sum(np.abs(d.astype(dtype).astype(np.float64))
+                                           for d in draws) / n
+                             + np.abs(exact) * (np.finfo(np.dtype(dtype)).eps
+                                                if np.dtype(dtype) != np.float64 else eps))
+                    err = np.abs(results[1].astype(np.float64) - exact)
+                    assert (err <= bound).all(), (what, float((err - bound).max()))
+                if root is None:
+                    same_on_every_rank(sub, results[1], what)
+            for shard in (1, 3001, 9001):
+                numel = shard * n
+                draws = [np.random.default_rng([r, numel, 5]).standard_normal(numel)
+                         for r in range(n)]
+                region = c.reserve([(numel, dtype)], np.empty(0))
+                x = (region[0] if region and (rank % 2 == 0 or not staged)
+                     else np.empty(numel, dtype))
+                mine = slice(rank * shard, (rank + 1) * shard)
+                results = []
+                for pipe_min in (1 << 62, 0):
+                    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", pipe_min)
+                    x[...] = draws[rank].astype(dtype)
+                    c.reduce_scatter(x, x[mine], scale=1.0 / n).wait(timeout=60)
+                    results.append(x.copy())
+                what = f"reduce-scatter {np.dtype(dtype).name} {numel} rank {rank}"
+                np.testing.assert_array_equal(results[0].view(np.uint8),
+                                              results[1].view(np.uint8), err_msg=what)
+                exact = (sum(d.astype(dtype).astype(np.float64) for d in draws) / n)[mine]
+                got = results[1][mine].astype(np.float64)
+                scale = np.abs(exact) + sum(np.abs(d.astype(dtype).astype(np.float64))
+                                            for d in draws)[mine] / n
+                tol = 4 * n * (np.finfo(np.dtype(dtype)).eps if np.dtype(dtype) != np.float64
+                               else np.finfo(np.float64).eps)
+                assert (np.abs(got - exact) <= tol * scale).all(), what
+        assert any(overlapped), "no pipelined inter-node step ran"
+        c.close()
+    finally:
+        release(sub)
+        sub.Free()

@@ -707,3 +707,72 @@ def test_staged_allgather_results_and_overlap(lazy, dtype, nranks, shard, seg, w
     for r, b in enumerate(bufs):
         assert b.tobytes() == want.tobytes(), f"rank {r}"
     _check_rounds(devs[0], issued, shard, seg, nranks, window, widened=False)  # raw bytes
+
+
+# ------------------------------------------------------- a stated dependency (``ahead``)
+class CountingComm(FakeComm):
+    """Records, for every call issued, how many earlier calls were still in flight."""
+
+    def __getattr__(self, name):
+        issue = super().__getattr__(name)
+
+        def counted(*args, **kwargs):
+            pending = sum(not r.done for _, _, r in self.requests)
+            r = issue(*args, **kwargs)
+            self.requests[-1] = (name, (args, pending), r)
+            return r
+        return counted
+
+
+def _ahead_steps(aheads, landed, seen, comm):
+    """One pipelined call per entry of ``aheads``; before each, what is still in flight."""
+    for k, ahead in enumerate(aheads):
+        seen.append(sum(not r.done for _, _, r in comm.requests))
+        yield pipelined("Allreduce", (k,), land=lambda k=k: landed.append(k), comm=comm,
+                        ahead=ahead)
+    yield FENCE
+
+
+@pytest.mark.parametrize("engine_kind", ["thread", "nonblocking"])
+def test_ahead_bounds_what_is_in_flight_and_lands_in_order(engine_kind):
+    """A call with ``ahead=k`` is issued once at most k earlier calls are in flight (the
+    older ones landed, in issue order), and the generator runs on while they fly."""
+    from mpifusion.comm.engines import ThreadEngine
+
+    comm = CountingComm()
+    aheads = [3, 3, 1, 3, 2, 0, 3, 3, 3, 2]
+    engine = (ThreadEngine(comm) if engine_kind == "thread"
+              else NonBlockingEngine(comm, progress_thread=False))
+    landed, seen = [], []
+    task = _task(engine, _ahead_steps(aheads, landed, seen, comm), window=8)
+    engine.submit(task)
+    handle = _handle(engine, task)
+    if engine_kind == "nonblocking":
+        while not task.finished():  # complete the oldest, as MPI might
+            pending = [r for _, _, r in comm.requests if not r.done]
+            if pending:
+                pending[0].done = True
+            engine.progress()
+    handle.wait(timeout=10)
+    assert landed == list(range(len(aheads)))
+    issued = [(a[0][0], a[1]) for _, a, _ in comm.requests]
+    assert [k for k, _ in issued] == list(range(len(aheads)))
+    for (k, pending), ahead in zip(issued, aheads):
+        assert pending <= ahead, (k, pending, ahead)
+    if engine_kind == "thread":  # nothing completes on its own: each waits only as needed
+        bounded = _bounded(aheads)
+        assert [p for _, p in issued] == bounded
+        # the generator ran on with the calls in flight (up to 4 here)
+        assert seen[1:] == [b + 1 for b in bounded[:-1]] and max(seen) == 4
+    engine.close(1.0)
+
+
+def _bounded(aheads):
+    """What the thread engine leaves in flight before each call when none completes by
+    itself: ``min(calls in flight, ahead)``."""
+    out, inflight = [], 0
+    for a in aheads:
+        inflight = min(inflight, a)
+        out.append(inflight)
+        inflight += 1
+    return out
