@@ -44,14 +44,22 @@ def clusters():
     (one per node count for the module), all stopped at the end whatever happened, and
     checked to leave nothing behind."""
     made: Dict[int, str] = {}
+    cannot: List[str] = []  # why no cluster can run here (not root, ...): every test skips
     prefix = f"mfn{os.getpid()}"
 
     def get(nodes: int) -> str:
+        if cannot:
+            pytest.skip(cannot[0])
         if nodes not in made:
             name = f"{prefix}x{nodes}"
             cluster("stop", name)
             made[nodes] = name  # stopped at the end even if its start fails half-way
-            start_cluster(name, nodes)
+            try:
+                start_cluster(name, nodes)
+            except pytest.skip.Exception as exc:  # nothing was made: nothing to stop
+                del made[nodes]
+                cannot.append(str(exc))
+                raise
         return made[nodes]
 
     try:
