@@ -87,6 +87,11 @@ INLINE_MAX_BYTES = 64 << 10
 #: BENCHMARKS.md). One that nobody waits for starts ``HANDOFF_S`` (2 ms) after it was
 #: started, when the thread takes it
 SHM_INLINE_MAX_BYTES = 1 << 20
+#: ``auto`` across nodes takes ``thread`` for a buffer of fewer bytes per rank than this:
+#: there its one MPI all-reduce beat ``hierarchical``'s node barriers and two inter-node
+#: calls (emulated clusters of 2-4 nodes x 2 ranks at 1 and 10 Gbit/s: 64 KiB 1.03-1.22x
+#: ``thread``'s step; from 1 MiB 0.4-0.97x: benchmarks/bench_cluster_mpich.txt)
+AUTO_HIERARCHICAL_MIN_BYTES = 256 << 10
 #: ``_start``'s ``way`` of the shm collectives (0: MPI calls), in the order check's fingerprint
 SHM_WAY = 1
 
@@ -114,15 +119,19 @@ def allreduce_way(choice: str, strategy: str) -> str:
 
 
 def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str = "",
-                     thread_multiple: Optional[bool] = None) -> Tuple[str, str]:
+                     thread_multiple: Optional[bool] = None,
+                     nbytes: Optional[int] = None) -> Tuple[str, str]:
     """``CommOptions.strategy`` resolved for a communicator of ``size`` ranks, ``per_node``
     of them on each node (``uneven``: why the nodes do not hold equally many, numbered node
     by node), and why (what ``mpifusion info`` prints). ``auto`` takes shared memory where
     ranks share a node, since a direct reduction in a shared window stays near a memcpy where
     MPI's own all-reduce ran 1.1-7x slower (BENCHMARKS.md): ``shm`` when every rank is on one
-    node, ``hierarchical`` across nodes of several ranks each, else ``thread`` (its blocking
-    segments on a communication thread); ``nonblocking`` below MPI_THREAD_MULTIPLE (no second
-    thread may call MPI). ``thread_multiple``: the thread level (None: MPI's)."""
+    node, ``hierarchical`` across nodes of several ranks each (``thread`` for a buffer of
+    ``nbytes`` below :data:`AUTO_HIERARCHICAL_MIN_BYTES`, where it measured faster), else
+    ``thread`` (its blocking segments on a communication thread); ``nonblocking`` below
+    MPI_THREAD_MULTIPLE (no second thread may call MPI). ``thread_multiple``: the thread level
+    (None: MPI's); ``nbytes``: the bytes per rank the communicator carries (None: unknown,
+    taken as large)."""
     if choice != "auto":
         return choice, "chosen (strategy= or MPIFUSION_COMM_STRATEGY)"
     if thread_multiple is None:
@@ -137,6 +146,10 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
         return "shm", f"auto: all {size} ranks share one node"
     if per_node <= 1:
         return "thread", "auto: one rank per node"
+    if nbytes is not None and nbytes < AUTO_HIERARCHICAL_MIN_BYTES:
+        return "thread", (f"auto: {size // per_node} nodes of {per_node} ranks, a buffer of "
+                          f"{nbytes} bytes (below {AUTO_HIERARCHICAL_MIN_BYTES >> 10} KiB "
+                          f"thread's one all-reduce is faster across nodes)")
     return "hierarchical", f"auto: {size // per_node} nodes of {per_node} ranks"
 
 
@@ -166,13 +179,15 @@ class Communicator:
     def __init__(self, comm: MPI.Comm, options: Optional[CommOptions] = None,
                  open: bool = True, *,
                  node_probe: Optional[Callable[[MPI.Comm], int]] = None,
-                 **overrides: Any) -> None:
+                 nbytes: Optional[int] = None, **overrides: Any) -> None:
         """``options`` (default: :meth:`CommOptions.from_env`); keyword ``overrides``
         (``strategy``, ``segment_bytes``, ``timeout``, ``order``, ...) replace single fields.
         ``open=False`` defers the agreement check and the stream to :meth:`open` (a buffer
         adds its own description to the check). ``node_probe``: how many ranks of a
         communicator share this rank's node (default: the node layout probed once per
-        communicator, ``_nodes``), for tests of the ``shm`` fallback."""
+        communicator, ``_nodes``), for tests of the ``shm`` fallback. ``nbytes``: the bytes
+        per rank this communicator carries (a buffer's grads), which ``auto`` weighs across
+        nodes (None: unknown, taken as large); the same on every rank."""
         if not isinstance(comm, MPI.Comm):
             raise OptionError(f"comm_group: expected an mpi4py communicator, "
                               f"got {type(comm).__name__}")
@@ -188,7 +203,8 @@ class Communicator:
         #: ``auto`` chose the strategy (its fallback is then no surprise: logged at info)
         self.auto = options.strategy == "auto"
         if self.auto:
-            strategy, why = resolve_strategy("auto", comm.Get_size(), per_node, uneven)
+            strategy, why = resolve_strategy("auto", comm.Get_size(), per_node, uneven,
+                                             nbytes=nbytes)
             options = options.with_(strategy=strategy)
             logger.info("rank %d: strategy %r (%s)", comm.Get_rank(), strategy, why)
         if (options.strategy in THREADED_STRATEGIES
@@ -258,6 +274,7 @@ class Communicator:
                  else str(explicit)),
                 ("window", str(self.window)), ("allreduce", self.allreduce_way),
                 ("node_size", str(self.options.node_size)),
+                ("pipeline", str(self.options.pipeline)),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -522,8 +539,8 @@ class Communicator:
         desc = (ALLREDUCE, buf.size, code, -1, *tag)
         if self._on_shm(buf):
             steps = shm_steps.allreduce_steps(self._shm, buf, scale, None, (*desc, self.key),
-                                              seg, name,
-                                              gather=self.verify)
+                                              seg, name, gather=self.verify,
+                                              pipeline=self.options.pipeline)
             return self._start(steps, (buf,), name, desc, nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
                                 ring=self.size if (self.allreduce_way == "ring"
@@ -546,8 +563,8 @@ class Communicator:
         if self._on_shm(buf):
             steps = shm_steps.allreduce_steps(self._shm, buf, scale, int(root),
                                               (*desc, self.key),
-                                              seg, name,
-                                              sent_scale=sent_scale)
+                                              seg, name, sent_scale=sent_scale,
+                                              pipeline=self.options.pipeline)
             return self._start(steps, (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
         steps = allreduce_steps(buf, scale, seg, root=int(root), rank=self.rank,
                                 window=self.window, sent_scale=sent_scale)
@@ -575,7 +592,8 @@ class Communicator:
         if self._on_shm(sendbuf) and self._on_shm(recvbuf):
             steps = shm_steps.reduce_scatter_steps(
                 self._shm, sendbuf, recvbuf, scale, (*desc, self.key),
-                shm_steps.chunk_elements(seg, sendbuf.dtype), name, others_scale=others_scale)
+                shm_steps.chunk_elements(seg, sendbuf.dtype), name, others_scale=others_scale,
+                pipeline=self.options.pipeline)
             return self._start(steps, (sendbuf, recvbuf), name, desc, nbytes, prepare, SHM_WAY)
         steps = reduce_scatter_steps(sendbuf, recvbuf, scale, seg, self.size, self.rank,
                                      window=self.window, others_scale=others_scale)

@@ -30,8 +30,8 @@ ranks of the same local index on every node (``ShmStream.cross``): a reduce-scat
 all-gather of the blocks for all-reduce (each block summed in one place: the same bits on every
 node), a reduce for reduce, a reduce-scatter of the node sums of the shards this local index
 owns for reduce-scatter; all-gather runs over the nodes first, then within the node. Ranks
-are numbered node by node (rank = node * ranks per node + local rank). From
-:data:`PIPE_MIN_BYTES` up the inter-node step of an all-reduce or reduce is a pipeline
+are numbered node by node (rank = node * ranks per node + local rank). With
+``CommOptions.pipeline``, from :data:`PIPE_MIN_BYTES` up the inter-node step is a pipeline
 (:class:`_CrossPipe`): chunk k moves between the nodes while the node sums chunk k+1, with the
 same calls, sums and bits as one chunk after the other.
 """
@@ -147,9 +147,10 @@ def _barrier(stream: ShmStream, call: Optional[Call] = None) -> Steps:
     stream.window.sync()
 
 
-#: an all-reduce or reduce of at least this many bytes per rank runs ``hierarchical``'s
-#: inter-node step as a pipeline (:class:`_CrossPipe`); below it each chunk's inter-node calls
-#: are blocking, one after the other, which keeps a small buffer's latency
+#: with ``CommOptions.pipeline``, an all-reduce, reduce or reduce-scatter of at least this
+#: many bytes per rank runs ``hierarchical``'s inter-node step as a pipeline
+#: (:class:`_CrossPipe`); below it (and by default) each chunk's inter-node calls are
+#: blocking, one after the other, which keeps a small buffer's latency
 PIPE_MIN_BYTES = 256 << 10
 #: accumulators of the pipeline: chunk k is summed in slot k % PIPE_SLOTS, which its calls
 #: use until it landed; the ``ahead`` bounds below make chunk k - PIPE_SLOTS land first
@@ -378,7 +379,8 @@ def _sum_scaled(sources: Sequence[np.ndarray], out: np.ndarray, scale: Optional[
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
                     root: Optional[int], desc: Sequence[int], seg: int, name: str,
-                    sent_scale: Optional[float] = None, gather: bool = False) -> Steps:
+                    sent_scale: Optional[float] = None, gather: bool = False,
+                    pipeline: bool = False) -> Steps:
     """All-reduce (``root`` None) or reduce to ``root`` of a host array, summed in chunks of
     :func:`chunk_elements` of ``seg``. ``sent_scale``: a reduce's other ranks scale their own
     values by it once the peers are done reading.
@@ -387,6 +389,9 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     summed over the nodes by the ranks holding the same slice on every node, then written to
     every rank of the node (or the root's); its rounds are always a scratch's size, so every
     node cuts the same slices whether or not it stages.
+
+    ``pipeline``: the inter-node step as a pipeline from :data:`PIPE_MIN_BYTES`
+    (:class:`_CrossPipe`).
 
     ``gather``: a small all-reduce may take :func:`_gathered_allreduce`, where the order
     check runs before it (``verify_order``): it compares what the rows would, and without it
@@ -406,9 +411,9 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
         stream, desc, flat, lambda: np.copyto(mine[:min(cap, flat.size)], flat[:cap]), name)
     staged = [q for q in range(p) if arrays[q] is None]
     cross: Optional[_CrossPipe] = None
-    if stream.cross is not None:  # the same choice on every rank: the same buffer size
+    if stream.cross is not None:  # the same on every rank: agreed option, same buffer size
         cross = _CrossPipe(stream, None if root is None else root_node,
-                           overlap=flat.nbytes >= PIPE_MIN_BYTES)
+                           overlap=pipeline and flat.nbytes >= PIPE_MIN_BYTES)
     rounds = _rounds(flat.size, cap if staged or cross else max(flat.size, 1))
     for i, (a, b) in enumerate(rounds):
         m = b - a
@@ -435,7 +440,8 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
 
 def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.ndarray,
                          scale: Optional[float], desc: Sequence[int], chunk: int, name: str,
-                         others_scale: Optional[float] = None) -> Steps:
+                         others_scale: Optional[float] = None,
+                         pipeline: bool = False) -> Steps:
     """This rank's shard of the sum of every rank's ``sendbuf`` into ``recvbuf`` (which may
     be that shard of ``sendbuf``); the other shards of ``sendbuf`` keep this rank's values,
     scaled by ``others_scale`` after the last barrier. A staged round packs piece ``k`` of
@@ -443,8 +449,9 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
 
     ``hierarchical``: local rank ``l`` sums, over its node, the shards that local rank ``l``
     of every node owns, then a reduce-scatter over those ranks gives each its own shard;
-    from :data:`PIPE_MIN_BYTES` up round i's reduce-scatter moves while the node sums round
-    i+1 (pipelined, as :class:`_CrossPipe`), and lands (scaled, written) in round order."""
+    with ``pipeline``, from :data:`PIPE_MIN_BYTES` up round i's reduce-scatter moves while the
+    node sums round i+1 (as :class:`_CrossPipe`), and lands (scaled, written) in round
+    order."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
     rank, p, nodes = stream.rank, stream.size, stream.nodes
     shard = recv.size
@@ -463,7 +470,7 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
         stream, desc, send, lambda: stage(0, min(piece_staged, shard)), name)
     staged = any(arr is None for arr in arrays)
     hier = stream.cross is not None
-    overlap = hier and send.nbytes >= PIPE_MIN_BYTES  # the same on every rank
+    overlap = pipeline and hier and send.nbytes >= PIPE_MIN_BYTES  # the same on every rank
     rounds = _rounds(shard, piece_staged if staged or hier else max(shard, 1))
     wide = float32 if send.dtype in HALF else send.dtype
     for i, (a, b) in enumerate(rounds):

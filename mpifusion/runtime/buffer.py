@@ -58,6 +58,17 @@ from .storage import (BufferMemory, buffer_dropped, build_reduce_scatter_buffer,
 logger = logging.getLogger("mpifusion")
 
 
+def _grad_bytes_hint(params: Sequence[Any]) -> Optional[int]:
+    """The bytes of the grads of ``params`` (fp32 where narrower params may take main grads:
+    the larger of the two), for ``auto``'s choice across nodes; None where a param is not
+    one (that error is raised later, after the communicator every rank builds)."""
+    try:
+        return sum(p.numel * max(grad_dtype_for(p.dtype, False).itemsize,
+                                 grad_dtype_for(p.dtype, True).itemsize) for p in params)
+    except Exception:  # noqa: BLE001 - reported by the checks that follow
+        return None
+
+
 def _prescale(grads: Any, factor: float) -> None:
     """``scale_after_comm=False``: the buffer times 1/n before it is sent."""
     backend.scale_(grads, factor)
@@ -119,7 +130,8 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                 comm_options = replace(comm_options, order=order)  # parsed again
         deadline = comm_options.timeout
         # opened below, after the agreement check that also compares this buffer
-        comm = None if comm_group is None else Communicator(comm_group, comm_options, open=False)
+        comm = None if comm_group is None else Communicator(
+            comm_group, comm_options, open=False, nbytes=_grad_bytes_hint(self._params))
         self._rank = rank
         where = f"rank {rank}: buffer {id}"
         if not self._params:

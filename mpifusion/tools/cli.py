@@ -364,7 +364,14 @@ def _strategy_default() -> Tuple[str, str]:
         _, _, per, uneven = node_layout(MPI.COMM_WORLD, options.node_size, options.timeout)
     except OptionError as exc:
         return "none", f"refused: {exc}"
-    return resolve_strategy(options.strategy, MPI.COMM_WORLD.Get_size(), per, uneven)
+    from ..comm.communicator import AUTO_HIERARCHICAL_MIN_BYTES
+
+    strategy, why = resolve_strategy(options.strategy, MPI.COMM_WORLD.Get_size(), per, uneven)
+    if strategy == "hierarchical" and options.strategy == "auto":  # and for a small buffer
+        small, _ = resolve_strategy("auto", MPI.COMM_WORLD.Get_size(), per, uneven,
+                                    nbytes=0)
+        why += f"; {small} for buffers below {AUTO_HIERARCHICAL_MIN_BYTES >> 10} KiB"
+    return strategy, why
 
 
 #: ``mpifusion info``'s nodes line names this many nodes, then says how many more there are

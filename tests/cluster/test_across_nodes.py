@@ -246,8 +246,8 @@ def test_every_strategy_and_action_across_nodes(clusters, nodes, per, mpi):
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 @pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
 def test_run_and_info_across_nodes(clusters, mpi):
-    """``mpifusion run`` verifies every rank across 3 nodes of 2 ranks (hierarchical, as
-    ``auto`` picks it) and its reduce-scatter; ``mpifusion info`` (text and --json) names the
+    """``mpifusion run`` verifies every rank across 3 nodes of 2 ranks (its small buffers
+    take ``thread``, as ``auto`` picks it below 256 KiB) and its reduce-scatter; ``mpifusion info`` (text and --json) names the
     3 nodes and the ranks of each, and resolves ``auto`` over them."""
     name = clusters(3)
     proc = run_on(name, 2, mpi, ["-m", "mpifusion", "info"], JOB_TIMEOUT)
@@ -256,7 +256,8 @@ def test_run_and_info_across_nodes(clusters, mpi):
     assert (f"nodes:          3 ({name}-n0: ranks 0-1, {name}-n1: ranks 2-3, "
             f"{name}-n2: ranks 4-5)\n") in out, out
     assert f"processor:      {name}-n0\n" in out, out
-    assert "strategy:       hierarchical (auto: 3 nodes of 2 ranks)" in out, out
+    assert ("strategy:       hierarchical (auto: 3 nodes of 2 ranks; thread for buffers "
+            "below 256 KiB)") in out, out
     proc = run_on(name, 2, mpi, ["-m", "mpifusion", "info", "--json"], JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads(proc.stdout[proc.stdout.index("{"):])

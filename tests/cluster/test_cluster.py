@@ -49,6 +49,10 @@ def _rank_grads(rank: int, shapes):
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
+#: the driver's buffers (action, fp32 elements)
+BUFFERS = [("ALL_REDUCE", 5003), ("REDUCE_SCATTER", 5003), ("ALL_REDUCE", 300007)]
+
+
 def _check_buffer(comm, strategy: str, act_name: str, numel: int, ident: int) -> dict:
     """One FusedCommBuffer of ``numel`` float32 elements in three params: this rank's
     grads in, the reduced (mean) grads checked against the float64 mean of every rank's."""
@@ -111,8 +115,10 @@ def _driver(argv: List[str]) -> int:
 
         try:
             if argv[0] == "buffers":
-                mine["buffers"] = [_check_buffer(comm, argv[1], act, 5003, i)
-                                   for i, act in enumerate(("ALL_REDUCE", "REDUCE_SCATTER"))]
+                # two small buffers and one of 1.2 MB (auto: thread below 256 KiB, else
+                # hierarchical; its inter-node step pipelined)
+                mine["buffers"] = [_check_buffer(comm, argv[1], act, numel, i)
+                                   for i, (act, numel) in enumerate(BUFFERS)]
             elif argv[0] == "crossing":
                 mine["buffers"] = [_check_buffer(comm, "hierarchical", "ALL_REDUCE",
                                                  int(argv[1]), 0)]
@@ -258,12 +264,20 @@ def test_the_nodes_are_real(net, mpi):
 @pytest.mark.parametrize("mpi", MPIS)
 def test_buffers_across_nodes(net, mpi, strategy):
     """auto: 2 nodes of 2 ranks each, so ``hierarchical`` (shm within a node, MPI between
-    the nodes); the results are the float64 mean within fp32 rounding, on every rank."""
+    the nodes) for the 1.2 MB buffer and ``thread`` for the 20 KB ones (below
+    AUTO_HIERARCHICAL_MIN_BYTES); the results are the float64 mean within fp32 rounding, on
+    every rank."""
+    from mpifusion.comm.communicator import AUTO_HIERARCHICAL_MIN_BYTES
+
     answers = driver(net, mpi, "buffers", strategy)
+    want = [strategy if strategy != "auto" else
+            "thread" if 4 * numel < AUTO_HIERARCHICAL_MIN_BYTES else "hierarchical"
+            for _act, numel in BUFFERS]
+    assert strategy != "auto" or set(want) == {"thread", "hierarchical"}, want
     for a in answers:
-        assert [b["act"] for b in a["buffers"]] == ["ALL_REDUCE", "REDUCE_SCATTER"], a
+        assert [b["act"] for b in a["buffers"]] == [act for act, _ in BUFFERS], a
+        assert [b["strategy"] for b in a["buffers"]] == want, a
         for b in a["buffers"]:
-            assert b["strategy"] == "hierarchical", a
             assert b["worst"] <= 1.0, (a["rank"], b)
         assert a["buffers"][0]["checked"] == a["buffers"][0]["numel"], a
     # reduce-scatter: the shards checked on the ranks cover the buffer once
@@ -304,7 +318,8 @@ def test_info_on_the_cluster(net, mpi):
     assert f"processor:      {net}-n0\n" in out, out
     assert f"nodes:          2 ({net}-n0: ranks 0-1, {net}-n1: ranks 2-3)\n" in out, out
     assert "world size:     4\n" in out, out
-    assert "strategy:       hierarchical (auto: 2 nodes of 2 ranks)" in out, out
+    assert ("strategy:       hierarchical (auto: 2 nodes of 2 ranks; thread for buffers "
+            "below 256 KiB)") in out, out
     assert "shared memory:  2 of 4 rank(s) on this node" in out, out
 
 

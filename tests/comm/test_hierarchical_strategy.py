@@ -193,6 +193,7 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
     from mpifusion.comm import engines, shm_collectives
 
     monkeypatch.setattr(shm, "SCRATCH_BYTES", 16 << 10)
+    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", 0)  # small buffers pipelined too
     if lazy:
         monkeypatch.setattr(engines, "_land_until", _lazy_land_until)
     sub = sub_comm(comm, nodes, per)
@@ -217,8 +218,8 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
                 x = (region[0] if region and (rank % 2 == 0 or not staged)
                      else np.empty(numel, dtype))
                 results = []
-                for pipe_min in (1 << 62, 0):
-                    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", pipe_min)
+                for pipeline in (False, True):
+                    monkeypatch.setattr(c, "options", c.options.with_(pipeline=pipeline))
                     x[...] = draws[rank].astype(dtype)
                     task = (c.allreduce(x, scale=1.0 / n) if root is None
                             else c.reduce(x, root=root, scale=1.0 / n))
@@ -248,8 +249,8 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
                      else np.empty(numel, dtype))
                 mine = slice(rank * shard, (rank + 1) * shard)
                 results = []
-                for pipe_min in (1 << 62, 0):
-                    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", pipe_min)
+                for pipeline in (False, True):
+                    monkeypatch.setattr(c, "options", c.options.with_(pipeline=pipeline))
                     x[...] = draws[rank].astype(dtype)
                     c.reduce_scatter(x, x[mine], scale=1.0 / n).wait(timeout=60)
                     results.append(x.copy())
@@ -268,3 +269,14 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
     finally:
         release(sub)
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_differ_on_the_pipeline_option_meet_in_an_agreement_error(comm):
+    """Pipelined and unpipelined inter-node calls would not match (non-blocking against
+    blocking): a rank that asked otherwise is an AgreementError on every rank, at
+    construction."""
+    from mpifusion.errors import AgreementError
+
+    with pytest.raises(AgreementError, match="pipeline"):
+        Communicator(comm, hier(1, pipeline=comm.Get_rank() == 0, timeout=30.0))

@@ -30,6 +30,15 @@ def test_invalid_window_refused(bad):
     assert "window" in str(info.value) and f"[1, {MAX_WINDOW}]" in str(info.value)
 
 
+def test_pipeline_option_is_off_by_default_and_read_from_the_environment():
+    assert CommOptions().pipeline is False
+    assert CommOptions(pipeline=True).pipeline is True
+    assert CommOptions.from_env({"MPIFUSION_PIPELINE": "1"}).pipeline is True
+    assert CommOptions.from_env({"MPIFUSION_PIPELINE": "1"}, pipeline=False).pipeline is False
+    with pytest.raises(OptionError, match="MPIFUSION_PIPELINE"):
+        CommOptions.from_env({"MPIFUSION_PIPELINE": "sometimes"})
+
+
 def test_window_from_env_names_the_variable():
     assert CommOptions.from_env({WINDOW_ENV: "8"}).window == 8
     assert CommOptions.from_env({WINDOW_ENV: "3"}, window=2).window == 2  # argument wins

@@ -33,6 +33,21 @@ def test_auto_takes_shared_memory_where_ranks_share_a_node(size, per_node, uneve
     assert why.startswith("auto: ") and (not uneven or uneven in why), why
 
 
+@pytest.mark.parametrize("nbytes,want", [(None, "hierarchical"), (0, "thread"),
+                                          (4 << 10, "thread"), ((256 << 10) - 1, "thread"),
+                                          (256 << 10, "hierarchical"),
+                                          (64 << 20, "hierarchical")])
+def test_auto_across_nodes_weighs_the_buffer_size(nbytes, want):
+    """Across nodes a small buffer takes ``thread`` (faster there, measured); on one node and
+    for a chosen strategy the size changes nothing."""
+    strategy, why = resolve_strategy("auto", 16, 8, thread_multiple=True, nbytes=nbytes)
+    assert strategy == want and why.startswith("auto: 2 nodes of 8 ranks"), why
+    assert want == "hierarchical" or f"a buffer of {nbytes} bytes" in why, why
+    assert resolve_strategy("auto", 8, 8, thread_multiple=True, nbytes=nbytes)[0] == "shm"
+    assert resolve_strategy("hierarchical", 16, 8, thread_multiple=True,
+                            nbytes=nbytes)[0] == "hierarchical"
+
+
 @pytest.mark.parametrize("chosen", STRATEGIES)
 def test_a_chosen_strategy_is_kept_whatever_the_nodes(chosen):
     for threads in (True, False):
@@ -60,6 +75,30 @@ def test_a_default_communicator_over_emulated_nodes_runs_hierarchical(comm):
         assert c.strategy == "hierarchical" and c.shm_fallback is None, c.shm_fallback
     finally:
         c.close()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_default_buffers_over_emulated_nodes_take_their_size_into_account(comm):
+    """A FusedCommBuffer under ``auto`` across (emulated) nodes: ``thread`` for 4 KiB of
+    grads, ``hierarchical`` for 1 MiB, and each reduces to the mean."""
+    import numpy as np
+
+    from mpifusion import FusedCommBuffer, HookAction, Param
+
+    if comm.Get_size() % 2:
+        pytest.skip("another rank count: 2-rank nodes need an even count")
+    n, rank = comm.Get_size(), comm.Get_rank()
+    for ident, (numel, want) in enumerate([(1024, "thread"), (1 << 18, "hierarchical")]):
+        p = Param(f"w{ident}", np.zeros(numel, np.float32))
+        buf = FusedCommBuffer(ident, [p], comm, act=HookAction.ALL_REDUCE,
+                              comm_options=CommOptions(node_size=2))
+        try:
+            assert buf.comm.strategy == want, (numel, buf.comm.strategy)
+            buf.add_grad(p, grad=np.full(numel, rank + 1, np.float32))
+            buf.scale_grads()
+            np.testing.assert_array_equal(p.grad, np.float32((n + 1) / 2))
+        finally:
+            buf.close()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -139,8 +139,8 @@ def test_job_runs_on_two_nodes(nodes_env, tmp_path, mpi, pmi):
     assert re.search(rf"^Slurm tasks: +{ranks} in this step, per node {PER_NODE}\(x2\)$",
                      job.log, re.M), job
     # MPI's own view (COMM_TYPE_SHARED): two nodes of two ranks
-    assert re.search(rf"^strategy: +hierarchical \(auto: 2 nodes of {PER_NODE} ranks\)$",
-                     job.log, re.M), job
+    assert re.search(rf"^strategy: +hierarchical \(auto: 2 nodes of {PER_NODE} ranks; "
+                     rf"thread for buffers below 256 KiB\)$", job.log, re.M), job
 
     # where the run's tasks (step 1; step 0 is mpifusion info) really ran
     tasks = _records(record, "1")
