@@ -14,7 +14,11 @@ gradients, GPT-2-small fp32 by default):
   ``Iallreduce`` of the flat buffer, per-param ``Iallreduce`` and torch gloo (when installed);
 * a sweep of message sizes (algbw/busbw, nccl-tests definitions, ``tools.bandwidth``) and of
   fusion group sizes, both up to the model's grad bytes unless given;
-* overlap with emulated compute (OSU's method), ``add_grad`` cost per param and peak memory.
+* overlap with emulated compute (OSU's method), ``add_grad`` cost per param and peak memory;
+* where the job spans nodes, the cluster section (``cluster``): the link's rate measured
+  point to point, the all-reduce floor it sets, and ``hierarchical``, ``thread``, ``auto``
+  and raw ``Allreduce`` + 1/n against it per size (``--cluster-sizes``); ``--only cluster``
+  runs it alone.
 
 Times are the slowest rank's, median over ``--iters`` (after ``--warmup``). Only rank 0 prints
 and writes the JSON and PNG (into ``--out``, default ``bench_out/``). The targets shown are
@@ -25,6 +29,7 @@ rank before anything is measured).
 Modules: ``settings`` (arguments), ``workload`` (the params, buffers and one step),
 ``baselines`` (raw MPI and gloo on the same bytes), ``probes`` (overlap, add_grad, memory),
 ``measure`` (:data:`~.measure.MEASUREMENTS`, each filling its keys of ``Bench.res``),
+``cluster`` (the multi-node section: its measurement, table, plot and targets),
 ``targets`` and ``report`` (:data:`~.report.TABLES`); a new sweep is one entry in each list.
 """
 from __future__ import annotations
@@ -58,7 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     b = Bench(s, world, world.Dup())
     t_start = time.perf_counter()
     for measure in MEASUREMENTS:
-        measure(b)
+        if s.only is None or measure.__name__ in ("measure_meta", f"measure_{s.only}"):
+            measure(b)
     b.res["meta"]["wall_s"] = time.perf_counter() - t_start
     b.res["targets"] = [dict(vars(t), met=t.met) for t in targets(b.res)]
     if b.rank == 0:

@@ -11,9 +11,8 @@ import os
 import platform
 import resource
 import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import mpi4py
 import numpy as np
@@ -28,10 +27,12 @@ from ...runtime.param import Param
 from ..bandwidth import algbw, bus_factor, busbw
 from ..timing import mpi_name, round_ratio, timeit, timeit_many
 from .baselines import gloo_allreduce, raw_candidates, raw_other, segmented_allreduce
+from .cluster import measure_cluster
 from .probes import add_grad_cost, overlap, peak_memory
 from .settings import Settings, auto_group_sweep, auto_size_sweep
 from .workload import (HALF_DTYPE, auto_strategy, MiB, build_buffers, default_segment,
-                       fallback_reason, full_step, grad_bytes, make_params, usable_strategies)
+                       fallback_reason, full_step, grad_bytes, make_params, median_step,
+                       usable_strategies)
 
 #: buffer sizes of the small-buffer latency check (shm must be no slower than thread)
 SMALL_BUFFER_BYTES = (4 << 10, 16 << 10, 64 << 10)
@@ -227,16 +228,6 @@ def measure_window_sweep(b: Bench) -> None:
     del keep
 
 
-def _median_step(bufs: Sequence[FusedCommBuffer], reps: int) -> float:
-    """Seconds of the median of ``reps`` ALL_REDUCE steps of ``bufs``, each timed alone."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        full_step(bufs, False)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_small_buffers(b: Bench) -> None:
     """Latency of one small fused buffer (4-64 KiB) per strategy, in rounds: the target asks
     shm to be no slower than thread here, where a sync is a few barriers, not bytes."""
@@ -250,7 +241,7 @@ def measure_small_buffers(b: Bench) -> None:
             param = Param("g", np.zeros(size // 4, np.float32))
             bufs = build_buffers([param], HookAction.ALL_REDUCE, size, b.comm, strategy)
             keep.append(bufs)
-            fns[strategy] = functools.partial(_median_step, bufs, reps)
+            fns[strategy] = functools.partial(median_step, bufs, reps)
         timed = timeit_many(fns, b.comm, SMALL_BUFFER_ROUNDS_PER_ITER * max(b.s.iters, 3),
                             max(1, b.s.warmup), self_timed=True)
         row: Dict[str, Any] = {"bytes": size, "reps": reps}
@@ -387,9 +378,10 @@ def measure_order(b: Bench) -> None:
 
 
 #: the measurements, in order; each fills its own keys of ``Bench.res``. A new sweep is one
-#: function here and one table in ``report.TABLES``.
+#: function here and one table in ``report.TABLES``. ``--only NAME`` runs ``measure_meta``
+#: and ``measure_NAME`` alone.
 MEASUREMENTS: List[Callable[[Bench], None]] = [
     measure_meta, measure_allreduce_steps, measure_other_steps, measure_window_sweep,
     measure_small_buffers, measure_size_sweep, measure_group_sweep, measure_overlap_and_add_grad, measure_memory,
-    measure_order,
+    measure_order, measure_cluster,
 ]

@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from ..bandwidth import busbw, fmt_gbps
 from ..timing import round_ratio
+from .cluster import table_cluster, write_cluster_plot
 from .settings import Settings
 from .targets import BANDWIDTH_BOUND_BYTES
 from .workload import MiB
@@ -173,7 +174,7 @@ def table_targets(res: dict) -> tuple:
 TABLES: List[Callable[[dict], tuple]] = [
     table_steps, table_raw, table_side_by_side, table_window_sweep, table_small_buffers,
     table_size_sweep, table_group_sweep,
-    table_overlap, table_memory, table_order, table_targets,
+    table_overlap, table_memory, table_order, table_cluster, table_targets,
 ]
 
 
@@ -225,9 +226,18 @@ def write_plot(path: str, res: dict) -> Optional[str]:
 
 
 def report(res: dict, s: Settings) -> None:
-    """Rank 0: the tables, then the files."""
+    """Rank 0: the tables (those of the sections measured: ``--only`` runs one; a table
+    gives None where its section has nothing, as the cluster's on one node), then the
+    files."""
     for table in TABLES:
-        print_table(*table(res))
+        try:
+            got = table(res)
+        except KeyError:
+            if s.only is None:
+                raise
+            continue
+        if got is not None and got[2]:
+            print_table(*got)
     hidden = [t for t in res["targets"] if not t["applies"]]
     if hidden:
         print(f"\n({len(hidden)} target(s) not shown: they are set for bandwidth-bound syncs of "
@@ -240,8 +250,15 @@ def report(res: dict, s: Settings) -> None:
     if s.json_path:
         with open(s.json_path, "w") as fh:
             json.dump(res, fh, indent=1, default=str)
-    note = write_plot(s.png_path, res) if s.png_path else None
-    wrote = [p for p in (s.json_path, None if note else s.png_path) if p]
+    note = write_plot(s.png_path, res) if s.png_path and "size_sweep" in res else None
+    wrote = [p for p in (s.json_path, None if note or "size_sweep" not in res
+                         else s.png_path) if p]
+    if s.png_path and res.get("cluster"):
+        cluster_png = s.png_path[:-4] + "_cluster.png" if s.png_path.endswith(".png") \
+            else s.png_path + "_cluster.png"
+        cnote = write_cluster_plot(cluster_png, res)
+        note = "; ".join(x for x in (note, cnote) if x) or None
+        wrote += [] if cnote else [cluster_png]
     print(f"\nwall time {res['meta']['wall_s']:.0f} s; wrote {', '.join(wrote) or 'nothing'}"
           f"{'; ' + note if note else ''}")
     sys.stdout.flush()

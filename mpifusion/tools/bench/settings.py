@@ -8,15 +8,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from ...config import STRATEGIES, parse_strategy, parse_window
 from ...errors import OptionError
 from ...presets import get_preset
 from ...spec import normalize_dtype
 from ..argtypes import Parser, non_negative_int, positive_float, positive_int
+from .cluster import DEFAULT_SIZES, parse_sizes
 from .workload import MiB
+
+#: what ``--only`` may name: the sections that run alone (the run's meta always runs)
+ONLY = ("cluster",)
 
 #: the first paragraph of ``mpifusion bench --help``
 DESCRIPTION = ("``mpifusion bench``: mpifusion's gradient sync side by side with raw MPI, "
@@ -46,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--windows", default="1,2,4,8",
                     help="nonblocking windows (segments in flight) swept against thread")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed gloo")
+    ap.add_argument("--cluster-sizes", default=DEFAULT_SIZES,
+                    help="fp32 grads per rank of the cluster section (only where the job "
+                    "spans nodes): sizes (K, M binary) and 'preset' (the model's grads)")
+    ap.add_argument("--only", default=None, choices=ONLY,
+                    help="run this section alone (cluster: the multi-node section; it "
+                    "measures nothing on one node)")
     ap.add_argument("--out", default="bench_out", metavar="DIR",
                     help="folder for the JSON results and the plot (created; git-ignored)")
     ap.add_argument("--json", default=None, metavar="FILE",
@@ -123,6 +133,8 @@ class Settings:
     torch: bool
     json_path: Optional[str]
     png_path: Optional[str]
+    cluster_sizes: List[Any] = field(default_factory=list)
+    only: Optional[str] = None
 
 
 def settings(args: argparse.Namespace, nranks: int) -> Settings:
@@ -136,6 +148,10 @@ def settings(args: argparse.Namespace, nranks: int) -> Settings:
         raise _bad("--strategies", f"a comma-separated list of {', '.join(STRATEGIES)}",
                    args.strategies)
     base = os.path.join(args.out, f"bench_{args.preset}_n{nranks}")
+    try:
+        cluster_sizes = parse_sizes(args.cluster_sizes)
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
     return Settings(
         preset=args.preset, dtype=dtype, group_bytes=int(args.group_mb * MiB),
         group_sweep=(None if args.group_sweep == "auto"
@@ -147,7 +163,8 @@ def settings(args: argparse.Namespace, nranks: int) -> Settings:
         iters=args.iters, warmup=args.warmup,
         torch=not args.no_torch,
         json_path=base + ".json" if args.json is None else (args.json or None),
-        png_path=base + ".png" if args.png is None else (args.png or None))
+        png_path=base + ".png" if args.png is None else (args.png or None),
+        cluster_sizes=cluster_sizes, only=args.only)
 
 
 def prepare_outputs(s: Settings) -> Optional[str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from ..timing import best_per_round, round_ratio
+from .cluster import cluster_checks
 from .workload import MiB
 
 #: grads at least this large make a sync bandwidth-bound: the speed targets are set for them
@@ -35,6 +36,15 @@ class Target:
 
 
 def targets(res: dict) -> List[Target]:
+    """The targets of the sections this run measured (``--only`` runs one): the steps'
+    and the cluster section's."""
+    out = step_targets(res) if "steps" in res else []
+    if res.get("cluster"):
+        out.extend(Target(*check) for check in cluster_checks(res["cluster"]))
+    return out
+
+
+def step_targets(res: dict) -> List[Target]:
     """The speed and memory targets, each marked whether it applies to this model: the
     ratios against raw MPI, gloo and the overlap are set for bandwidth-bound syncs."""
     steps, raw = res["steps"], res["raw"]

@@ -5,6 +5,8 @@ the same bytes; the default strategy and segment size are those a default run ta
 """
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -88,13 +90,14 @@ def make_params(preset: str, dtype: Optional[str], seed: int, fill: bool = True)
 def build_buffers(params: Sequence[Param], act: HookAction, group_bytes: int, comm: MPI.Comm,
                   strategy: str, **kwargs: Any) -> List[FusedCommBuffer]:
     """``params`` fused in groups of ``group_bytes`` with real grads (all ones); the
-    keywords ``verify_order``, ``window`` and ``allreduce`` set the CommOptions, the rest
-    go to FusedCommBuffer."""
+    keywords ``verify_order``, ``window``, ``allreduce`` and ``pipeline`` set the
+    CommOptions, the rest go to FusedCommBuffer."""
     groups = assign_group_by_size(list(params), group_size=group_bytes)
     dst = 0 if act == HookAction.REDUCE else -1
     options = CommOptions(strategy=strategy, verify_order=kwargs.pop("verify_order", True),
                           window=kwargs.pop("window", None) or DEFAULT_WINDOW,
-                          allreduce=kwargs.pop("allreduce", "auto"))
+                          allreduce=kwargs.pop("allreduce", "auto"),
+                          pipeline=kwargs.pop("pipeline", False))
     buffers = [FusedCommBuffer(i, plist, comm, act=act, dst=dst, comm_options=options, **kwargs)
                for i, plist in groups.items()]
     for b in buffers:  # real pages with real values, as after a backward pass
@@ -114,6 +117,16 @@ def full_step(buffers: Sequence[FusedCommBuffer], sync: bool) -> None:
     if sync:
         for b in buffers:
             b.sync_params(sync=True)
+
+
+def median_step(buffers: Sequence[FusedCommBuffer], reps: int) -> float:
+    """Seconds of the median of ``reps`` ALL_REDUCE steps of ``buffers``, each timed alone."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        full_step(buffers, False)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def grad_bytes(buffers: Sequence[FusedCommBuffer]) -> int:
