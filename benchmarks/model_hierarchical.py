@@ -71,10 +71,10 @@ measuring machine's, never this process's). The alpha-beta forms are 17-87% low 
   copies, the veth and tbf work, and whatever the ranks' busy-polling and the inter-node
   reduction take from it). ONE constant per MPI, fitted by least squares on log(predicted
   / measured) over every size from 1 MiB of every run at once (:func:`fit_c_tcp`: a grid on
-  log c, then a golden section). MPICH 5.0.2, ``bench_cluster_mpich.json`` of 2026-12-06:
-  1.81 ns/B (1.11 GB/s of link traffic on the 2 cores). A cross-check from the link
-  measurements, not used: a 64 MiB Sendrecv pair at 10 Gbit/s ran at 0.90-1.07 GB/s each way
-  against the 1.25 GB/s of tbf, CPU-bound; were the 2 cores all its own that is
+  log c, then a golden section). MPICH 5.0.2, ``bench_cluster_mpich.json`` of 2026-12-06
+  (quiet machine): 1.7 ns/B (1.18 GB/s of link traffic on the 2 cores). A cross-check from
+  the link measurements, not used: a 64 MiB Sendrecv pair at 10 Gbit/s ran at 0.90-1.15
+  GB/s each way against the 1.25 GB/s of tbf, CPU-bound; were the 2 cores all its own that is
   C / (2 rate) = 0.93-1.12 ns/B -- under the all-reduce, with every rank busy, each byte
   costs about 1.7x that;
 * ``o``: the per-collective overhead, per run, from that run's ``thread`` candidate, never
@@ -88,16 +88,12 @@ The held-out check (``cross_validate``) fits ``c_tcp`` without one node count's 
 predicts them, each node count in turn (the 3-node runs from the 2- and 4-node ones, ...);
 both it and the all-points fit are printed, per link rate and size class, with every point
 outside the target and whether it lies within its own measured repeats. On the stored MPICH
-runs: all points 34 of 46 within 20% (median 10%), from 1 MiB 24 of 28 (1 Gbit/s: all 14,
-max 9%; 10 Gbit/s: 10 of 14); held out 32 of 46 (3 nodes, c_tcp 2.0 ns/B from the 2- and
-4-node runs: 8 of 16). What misses: sizes below 1 MiB whose run measured its gathered sizes
-(4 and 16 KiB, the same path, byte terms a few us apart) up to 4.7x apart -- no term flat in
-m fits both -- and the 3 x 2 run at 10 Gbit/s, which ran faster per byte (1.3-1.6 ns/B
-from 16 MiB, against 1.81) and had a larger thread overhead (4.5 ms) than the others, with
-the 2 x 2 run's 16 MiB
-median (repeats 48-90 ms, between its 4 and 64 MiB neighbours' 56 and 34 ms scaled). These
-runs were measured on a loaded machine (load average 6-17 on 2 cores): the repeats of one
-size are often 20-200% apart.
+runs (quiet machine, 2026-12-06): all points 38 of 46 within 20% (median 8%, worst 46%),
+every point from 1 MiB at 1 Gbit/s within 16%; held out by node count 37 of 46 (median 8%).
+What misses: small sizes (4-64 KiB: latency, which the per-collective overhead of ``thread``
+captures only roughly) and four points at 10 Gbit/s (1 MiB -34%, 64 MiB +32-46%), where the
+shared cores' scheduling decides. Measured on a loaded machine (load average 6-17) the same
+form held 34 of 46 (median 10%).
 
 The 100 Gb/s InfiniBand table models real nodes, each with cores of its own: it never takes
 ``shared-cpu`` but the form without core sharing (``sequential``, or ``--form pipelined`` /

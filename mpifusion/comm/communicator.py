@@ -89,8 +89,8 @@ INLINE_MAX_BYTES = 64 << 10
 SHM_INLINE_MAX_BYTES = 1 << 20
 #: ``auto`` across nodes takes ``thread`` for a buffer of fewer bytes per rank than this:
 #: there its one MPI all-reduce beat ``hierarchical``'s node barriers and two inter-node
-#: calls (emulated clusters of 2-4 nodes x 2 ranks at 1 and 10 Gbit/s: 64 KiB 1.03-1.22x
-#: ``thread``'s step; from 1 MiB 0.4-0.97x: benchmarks/bench_cluster_mpich.txt)
+#: calls (emulated clusters of 2-4 nodes x 2 ranks at 1 and 10 Gbit/s: 64 KiB 1.17-1.36x
+#: ``thread``'s step; from 1 MiB 0.39-0.99x: benchmarks/bench_cluster_mpich.txt)
 AUTO_HIERARCHICAL_MIN_BYTES = 256 << 10
 #: ``_start``'s ``way`` of the shm collectives (0: MPI calls), in the order check's fingerprint
 SHM_WAY = 1
