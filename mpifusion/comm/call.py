@@ -25,16 +25,19 @@ decides whether each MPI call runs blocking (``thread``) or as its non-blocking 
   ``hierarchical`` strategy's node and cross-node communicators, private to its stream, so
   that their calls stay in the stream's order too).
 
-A method already in the non-blocking form (``Iallreduce``) is issued non-blocking by every
-engine (the thread engine then waits for it): the order check always is, so that the checks
-of any two collectives match whatever each rank runs, and so are all calls of a small
-collective under a deadline, which a waiting caller may poll itself. MPI never matches a
-blocking collective with a non-blocking one.
+A call marked ``nonblocking`` names a method that returns a request (``Iallreduce``, or
+mpifusion's own request-like waits): every engine issues it as it is and waits for it (the
+thread engine at once). The order check always is non-blocking, so that the checks of any two
+collectives match whatever each rank runs, and so are all calls of a small collective under a
+deadline (:func:`as_nonblocking`), which a waiting caller may poll itself. MPI never matches a
+blocking collective with a non-blocking one. Calls are built by keyword past their first
+three fields, so a new field can never shift the others.
 """
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional
 
 #: the keyword arguments of a call that has none (shared, so read-only)
 NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
@@ -56,6 +59,8 @@ class Call(NamedTuple):
     comm: Any = None
     #: pipelined: issued non-blocking once at most this many earlier calls are in flight
     ahead: Optional[int] = None
+    #: ``method`` returns a request (its non-blocking form): issued as it is, then waited for
+    nonblocking: bool = False
 
 
 Steps = Iterator[Call]
@@ -63,14 +68,11 @@ FENCE = Call(None)
 CHECK = Call(None, check=True)
 
 
-_make = tuple.__new__  # Call(...) without its keyword handling: once per segment
-
-
 def pipelined(method: str, args: tuple, kwargs: Mapping[str, Any] = NO_KWARGS,
               land: Optional[Callable[[], None]] = None, comm: Any = None,
               ahead: Optional[int] = None) -> Call:
     """A call the engine may keep in flight while the generator prepares the next one."""
-    return _make(Call, (method, args, kwargs, land, False, 0.0, False, comm, ahead))
+    return Call(method, args, kwargs, land=land, fence=False, comm=comm, ahead=ahead)
 
 
 def pause(seconds: float) -> Call:
@@ -78,16 +80,14 @@ def pause(seconds: float) -> Call:
     return Call(None, pause=seconds)
 
 
-def nonblocking_name(name: str, _cache: Dict[str, str] = {}) -> str:
-    """mpi4py's non-blocking method for a call (Allreduce -> Iallreduce; Iallreduce kept)."""
-    iname = _cache.get(name)
-    if iname is None:
-        iname = _cache[name] = name if name[0] == "I" else "I" + name[0].lower() + name[1:]
-    return iname
+@functools.lru_cache(maxsize=None)
+def nonblocking_name(name: str) -> str:
+    """mpi4py's non-blocking method for a blocking one (Allreduce -> Iallreduce)."""
+    return "I" + name[0].lower() + name[1:]
 
 
 def as_nonblocking(steps: Steps) -> Steps:
     """``steps`` with every MPI call in its non-blocking form."""
     for call in steps:
-        yield call if call.method is None else call._replace(
-            method=nonblocking_name(call.method))
+        yield call if call.method is None or call.nonblocking else call._replace(
+            method=nonblocking_name(call.method), nonblocking=True)

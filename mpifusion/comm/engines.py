@@ -276,6 +276,7 @@ class NonBlockingEngine(Engine):
             try:
                 request = (self.start_check() if method is None
                            else getattr(comm if call.comm is None else call.comm,
+                                        method if call.nonblocking else
                                         nonblocking_name(method))(*call.args, **call.kwargs))
             except Exception as exc:
                 self._stop(task, exc)
@@ -472,15 +473,16 @@ class ThreadEngine(Engine):
                     raise self._refused()
                 if ahead is not None:
                     target = comm if call.comm is None else call.comm
-                    inflight.append((getattr(target, nonblocking_name(method))(
-                        *call.args, **call.kwargs), call.land, call.args))
+                    name = method if call.nonblocking else nonblocking_name(method)
+                    inflight.append((getattr(target, name)(*call.args, **call.kwargs),
+                                     call.land, call.args))
                     continue
                 out = (self.start_check() if method is None
                        else getattr(comm if call.comm is None else call.comm,
                                     method)(*call.args, **call.kwargs))
                 land = call.land
                 if deadline is None:
-                    if method is None or method[0] == "I":
+                    if method is None or call.nonblocking:
                         out.Wait()
                 elif not poll(out.Test, max(0.0, deadline - time.monotonic()),
                               moves=never_moves):

@@ -154,7 +154,7 @@ def verified_steps(task: Collective, desc: Sequence[int], steps: Steps, comm: MP
     if words[2] ^ _MASK != words[3]:
         row = np.array((task.seq, *desc), dtype=np.int64)
         rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-        yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]))
+        yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), nonblocking=True)
         raise order_error(comm.Get_rank(), rows, task.name or "collective")
     yield from steps
 

@@ -281,7 +281,7 @@ class ShmStream:
         self._published = [seg[PUBLISHED_WORD * 8:(PUBLISHED_WORD + 1) * 8].view(np.int64)
                            for seg in window.segments]
         self._scratches: Dict[Tuple[int, Any], Tuple[np.ndarray, ...]] = {}
-        self._arrived = Call("Iarrived", comm=_Arrivals(self))
+        self._arrived = Call("start", comm=_Arrivals(self), nonblocking=True)
 
     def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
         """Make this a ``hierarchical`` stream: barriers on ``node_comm`` (the stream's own
@@ -359,8 +359,9 @@ class ShmStream:
 
 class _Arrivals:
     """The request-like wait of :meth:`ShmStream.publish` (``Test``/``Wait``, as an MPI
-    request: the engines poll it, deadlines and hand-over included); ``Iarrived`` is the
-    call's method, so every engine takes it as already non-blocking."""
+    request: the engines poll it, deadlines and hand-over included); its call's method is
+    :meth:`start`, marked ``nonblocking`` so that every engine takes what it returns as a
+    request."""
 
     __slots__ = ("stream", "serial")
 
@@ -368,7 +369,7 @@ class _Arrivals:
         self.stream = stream
         self.serial = 0
 
-    def Iarrived(self) -> "_Arrivals":
+    def start(self) -> "_Arrivals":
         """Start the wait for this collective (one runs at a time on a stream)."""
         self.serial = self.stream.serial
         return self

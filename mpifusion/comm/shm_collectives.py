@@ -114,7 +114,7 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     # MPI never matches a blocking barrier with a non-blocking one -- ranks that started
     # collectives of different sizes would otherwise wait for each other until the
     # deadline instead of reading each other's rows
-    opening = Call("Ibarrier", comm=stream.barrier.comm)
+    opening = Call("Ibarrier", comm=stream.barrier.comm, nonblocking=True)
     yield from _barrier(stream, opening)
     rows = stream.rows()
     problem: Optional[Exception] = None

@@ -785,3 +785,23 @@ def _bounded(aheads):
         out.append(inflight)
         inflight += 1
     return out
+
+
+# ------------------------------------------------------------- the call's protocol
+def test_a_call_says_it_is_non_blocking_in_a_field_not_in_its_name():
+    """``as_nonblocking`` marks every MPI call it turns into its non-blocking form, keeps
+    calls already marked (no ``IIallgather``), and a call is built by keyword: every field
+    of ``pipelined`` lands where it is named."""
+    from mpifusion.comm.call import as_nonblocking
+
+    land, comm = (lambda: None), object()
+    calls = [Call("Allreduce", (1,)), Call("Iallgather", (2,), nonblocking=True), FENCE,
+             pipelined("Reduce", (3,), land=land, comm=comm, ahead=2)]
+    out = list(as_nonblocking(iter(calls)))
+    assert [(c.method, c.nonblocking) for c in out] == [
+        ("Iallreduce", True), ("Iallgather", True), (None, False), ("Ireduce", True)]
+    p = calls[3]
+    assert (p.land, p.fence, p.comm, p.ahead, p.nonblocking, p.pause, p.check) == (
+        land, False, comm, 2, False, 0.0, False)
+    # a name that merely starts with I is not taken for a request
+    assert Call("Info").nonblocking is False
