@@ -1,4 +1,4 @@
-"""The ``shm`` strategy's memory under pressure (issue 37): run under mpiexec.
+"""The ``shm`` strategy's memory under pressure: run under mpiexec.
 
     mpiexec -n 2 python scripts/shm_memory_check.py tight NBUF MIB
         NBUF all-reduce buffers of MIB MiB of fp32 each, built on COMM_WORLD, one step each

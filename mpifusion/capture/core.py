@@ -15,11 +15,6 @@ class CaptureError(FusionError, ValueError):
     """A capture that cannot make a consistent dump (one line naming the rank and param)."""
 
 
-def dump_dtype(arr: np.ndarray) -> str:
-    """The spec dtype name of a recorded array (ml_dtypes bfloat16 included)."""
-    return as_dtype(arr.dtype).name
-
-
 def disagreement(summaries: list) -> str:
     """What makes the ranks' records unfit to gather (empty if nothing): each rank's own
     error, and every param whose recorded micro-steps differ between ranks. ``summaries`` is

@@ -25,12 +25,14 @@ from ..dtypes import HALF, float32
 from ..arrays.staging import CupyDevice, Device, StagedSegments
 from .call import FENCE, Call, Steps, pipelined
 
-_MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}  # by dtype.char: cheaper than .name
+#: the predefined MPI type of each accumulator dtype (fp32, fp64), by dtype.char: cheaper than
+#: .name; the one table of every collective here and in shm_collectives.py
+MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}
 
 
-def _spec(arr: Any) -> list:
+def mpi_spec(arr: Any) -> list:
     """mpi4py buffer spec for a flat fp32/fp64 array (predefined types, so MPI_SUM applies)."""
-    return [arr, _MPI_TYPES[arr.dtype.char]]
+    return [arr, MPI_TYPES[arr.dtype.char]]
 
 
 def _staged(buf: Any) -> bool:
@@ -87,11 +89,11 @@ def _reduce_call(w: Any, root: Optional[int], lands: bool, land: Any) -> Call:
     """The in-place sum of segment ``w`` (pipelined): to every rank, or to ``root``
     (``lands``: this is the root)."""
     if root is None:
-        return pipelined("Allreduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM}, land)
+        return pipelined("Allreduce", (MPI.IN_PLACE, mpi_spec(w)), {"op": MPI.SUM}, land)
     if lands:
-        return pipelined("Reduce", (MPI.IN_PLACE, _spec(w)), {"op": MPI.SUM, "root": root},
+        return pipelined("Reduce", (MPI.IN_PLACE, mpi_spec(w)), {"op": MPI.SUM, "root": root},
                          land)
-    return pipelined("Reduce", (_spec(w), None), {"op": MPI.SUM, "root": root}, land)
+    return pipelined("Reduce", (mpi_spec(w), None), {"op": MPI.SUM, "root": root}, land)
 
 
 def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[int],
@@ -112,7 +114,7 @@ def allreduce_steps(buf: Any, scale: Optional[float], seg: int, root: Optional[i
     host = device is None and not backend.is_cupy(flat)
     if ring and root is None and host:
         return _ring_allreduce(flat, scale, seg, rank, ring)
-    if host and flat.size <= seg and flat.dtype.char in _MPI_TYPES:
+    if host and flat.size <= seg and flat.dtype.char in MPI_TYPES:
         # one host segment in place (most small buffers): the same call, made now -- a
         # generator would cost a small collective ~1 us more (BENCHMARKS.md, small messages)
         factor = scale if lands else own
@@ -169,11 +171,12 @@ def _ring_allreduce(flat: Any, scale: Optional[float], seg: int, rank: int,
         for k in range(nranks - 1):  # reduce-scatter: then chunk (rank + 1) % n is summed here
             mine, theirs = chunk((rank - k - 1) % nranks), chunk((rank - k) % nranks)
             t = scratch[:mine.size]
-            yield Call("Sendrecv", (_spec(theirs), right, RING_TAG, _spec(t), left, RING_TAG))
+            yield Call("Sendrecv", (mpi_spec(theirs), right, RING_TAG, mpi_spec(t), left,
+                                    RING_TAG))
             np.add(mine, t, out=mine)
         for k in range(nranks - 1):  # all-gather: pass the summed chunks on around the ring
-            yield Call("Sendrecv", (_spec(chunk((rank - k + 1) % nranks)), right, RING_TAG,
-                                    _spec(chunk((rank - k) % nranks)), left, RING_TAG))
+            yield Call("Sendrecv", (mpi_spec(chunk((rank - k + 1) % nranks)), right, RING_TAG,
+                                    mpi_spec(chunk((rank - k) % nranks)), left, RING_TAG))
         if land is not None:
             land()
 
@@ -213,7 +216,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
                                 lambda k: recv[columns(k)], window, scale,
                                 device or CupyDevice(send))
         for w, r, land in staged.segments():
-            yield pipelined("Reduce_scatter_block", (_spec(w), _spec(r)), {"op": MPI.SUM}, land)
+            yield pipelined("Reduce_scatter_block", (mpi_spec(w), mpi_spec(r)),
+                            {"op": MPI.SUM}, land)
         yield FENCE  # every round landed (its copy back was started)
         staged.finish()
         for r in others:  # on the device, where they are
@@ -223,7 +227,8 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
     if send.dtype not in HALF and seg >= send.size:
         # one call, zero-copy; MPI forbids aliasing, so an in-place shard lands via a copy
         direct = recv if not backend.overlaps(send, recv) else backend.empty(shard, recv.dtype, recv)
-        yield Call("Reduce_scatter_block", (_spec(send), _spec(direct)), {"op": MPI.SUM})
+        yield Call("Reduce_scatter_block", (mpi_spec(send), mpi_spec(direct)),
+                   {"op": MPI.SUM})
         if scale is not None:
             backend.scale_(direct, scale)
         if direct is not recv:
@@ -252,7 +257,7 @@ def reduce_scatter_steps(sendbuf: Any, recvbuf: Any, scale: Optional[float], seg
             backend.scale_(grid[r, where], others_scale)
         cuda.synchronize(block)  # a device packing kernel must finish before MPI reads it
         o = outs[k % slots][:n]
-        yield pipelined("Reduce_scatter_block", (_spec(block.reshape(-1)), _spec(o)),
+        yield pipelined("Reduce_scatter_block", (mpi_spec(block.reshape(-1)), mpi_spec(o)),
                         {"op": MPI.SUM}, partial(_land_piece, o, scale, recv[where]))
     cuda.synchronize(recvbuf)
 

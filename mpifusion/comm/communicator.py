@@ -153,14 +153,6 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
     return "hierarchical", f"auto: {size // per_node} nodes of {per_node} ranks"
 
 
-_MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE}
-
-
-def _spec(arr: Any) -> list:
-    """mpi4py buffer spec for a flat fp32/fp64 array (predefined types, so MPI_SUM applies)."""
-    return [arr, _MPI_TYPES[arr.dtype.name]]
-
-
 def _prepared(prepare: Callable[[], None], steps: Steps) -> Steps:
     """``steps`` once ``prepare()`` ran: when the engine reaches them, after the order check."""
     prepare()

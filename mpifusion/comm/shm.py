@@ -536,9 +536,6 @@ class NodeMemory:
             return None
         return chunk.segments[rank][offset:offset + nbytes].view(dtype)
 
-    def window(self, serial: int) -> Optional[SharedWindow]:
-        return self.windows.get(serial)
-
     def release(self) -> None:
         """The user communicator is being freed (collective; the engines of the streams were
         closed first): free the control windows, in creation order (nothing else uses them),

@@ -47,11 +47,10 @@ from ..arrays import backend, halfcast
 from ..dtypes import HALF, float32
 from ..errors import CommError, OrderError
 from .call import FENCE, Call, Steps, pipelined
+from .collectives import MPI_TYPES, mpi_spec
 from .order import order_error
 from .shm import DESC_WORDS, ShmStream
 
-#: predefined MPI types of the accumulators (fp32, fp64), by dtype.char
-_MPI_TYPES = {"f": MPI.FLOAT, "d": MPI.DOUBLE}
 #: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk (1 MiB: with the
 #: p source chunks it stays in a 2-4 MiB L2; a prototype measured it)
 CHUNK_BYTES = 1 << 20
@@ -193,7 +192,7 @@ class _CrossPipe:
         self.run += 1
         if self.root_node is not None:
             here = stream.node == self.root_node
-            args = ((MPI.IN_PLACE, _spec(acc)) if here else (_spec(acc), None))
+            args = ((MPI.IN_PLACE, mpi_spec(acc)) if here else (mpi_spec(acc), None))
             kwargs = {"op": MPI.SUM, "root": self.root_node}
             if not self.overlap:
                 yield Call("Reduce", args, kwargs, comm=stream.cross)
@@ -206,7 +205,7 @@ class _CrossPipe:
         counts, displs = _counts(acc.size, stream.nodes)
         slot = k % PIPE_SLOTS if self.overlap else 0
         part = stream.work(_PIPE_PART + slot, counts[stream.node], acc.dtype)
-        scatter = (_spec(acc), _spec(part))
+        scatter = (mpi_spec(acc), mpi_spec(part))
         kwargs = {"recvcounts": counts, "op": MPI.SUM}
         if not self.overlap:
             yield Call("Reduce_scatter", scatter, kwargs, comm=stream.cross)
@@ -224,7 +223,7 @@ class _CrossPipe:
 
     def _blocks(self, acc: np.ndarray, part: np.ndarray, counts: list,
                 displs: list) -> tuple:
-        return (_spec(part), [acc, (counts, displs), _MPI_TYPES[acc.dtype.char]])
+        return (mpi_spec(part), [acc, (counts, displs), MPI_TYPES[acc.dtype.char]])
 
     def _gather(self, acc: np.ndarray, part: np.ndarray, counts: list, displs: list,
                 land: Callable[[], None], ahead: int) -> Call:
@@ -325,10 +324,6 @@ def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
 def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
     """``[a, b)`` of every round (one empty round for nothing: its barrier still ends it)."""
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
-
-
-def _spec(arr: np.ndarray) -> list:
-    return [arr, _MPI_TYPES[arr.dtype.char]]
 
 
 def _counts(m: int, n: int) -> Tuple[list, list]:
@@ -495,7 +490,7 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
             for k, s in enumerate(owned):
                 yield from _sum_into(stream, parts(s), [block[k]], 0, w, None, chunk)
             out = stream.work(_RS_OUT + slot, w, wide)
-            args = (_spec(block.reshape(-1)), _spec(out))
+            args = (mpi_spec(block.reshape(-1)), mpi_spec(out))
             land = partial(_finish, out, [recv], a, b, scale)
             if overlap:
                 yield pipelined("Reduce_scatter_block", args, {"op": MPI.SUM}, land,

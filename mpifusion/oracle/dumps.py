@@ -258,14 +258,6 @@ def read_array(files: Any, path: str, key: str, shape: tuple, dtype: str,
     return as_native(arr, dtype) if native else as_float64(arr, dtype)
 
 
-def _floating(dt: np.dtype, spec_dtype: str) -> bool:
-    """A float dtype the oracle reads: fp16/32/64, bfloat16, or raw 2-byte values (``V2`` or
-    ``uint16``: numpy's .npz cannot name bfloat16) for a bfloat16 param only -- the same raw
-    bytes read as bfloat16 for an fp16 param are other numbers, and a wrong result could
-    pass."""
-    return _dtype_problem(dt, spec_dtype) is None
-
-
 def _dtype_problem(dt: np.dtype, spec_dtype: str) -> Optional[str]:
     """Why the oracle will not read values of ``dt`` for a ``spec_dtype`` param (None: it
     will)."""

@@ -6,7 +6,7 @@ the in-place stand-ins below (``_World``), which sum over the simulated ranks' b
 mpifusion runs for real under mpiexec with the same inputs; every rank's whole grad buffer
 and param buffer must match Paddle's for that rank, over acts x acc_steps x main_grad x
 release_grads x reduce_avg x scale_after_comm x free_grads_in_comm (where Paddle allows the
-combination). Then the seven behaviours issue 11 aligned with Paddle, and the ones mpifusion
+combination). Then the seven behaviours aligned with Paddle, and the ones mpifusion
 keeps on purpose (README, "Differences from Paddle"), each shown on both sides.
 
 Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi tests/buffer/test_paddle_differential.py``

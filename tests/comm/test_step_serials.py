@@ -1,4 +1,4 @@
-"""Step serials (issue 37): no rank ever returns a result mixed from two steps.
+"""Step serials: no rank ever returns a result mixed from two steps.
 
 Every collective carries its buffer's step serial (``FusedCommBuffer.step``) and the ranks
 always compare it: before the data with ``verify_order=True`` and in the shared-window rows

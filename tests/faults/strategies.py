@@ -1,4 +1,4 @@
-"""The one list of strategies the fault tests run every job under (issue 37).
+"""The one list of strategies the fault tests run every job under.
 
 Each strategy is set through the environment of the whole job, as a user would
 (``mpifusion/config.py``): ``MPIFUSION_COMM_STRATEGY`` and, for ``hierarchical``,

@@ -6,7 +6,7 @@ failure (and the test then kills the job's process group).
 
 Every test runs under every strategy of tests/faults/strategies.py (set through the job's
 environment): a promise that ``thread`` keeps, ``shm`` (what ``auto`` picks on one node),
-``nonblocking`` and ``hierarchical`` keep too (issue 37).
+``nonblocking`` and ``hierarchical`` keep too.
 """
 from __future__ import annotations
 

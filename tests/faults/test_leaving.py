@@ -1,5 +1,5 @@
 """Leaving is never blocked: whatever rank 1 does to leave a job, at whatever moment of a step,
-the job ends within seconds, under every strategy (issue 37).
+the job ends within seconds, under every strategy.
 
 Rank 1 leaves by ``sys.exit(3)``, an uncaught exception, a KeyboardInterrupt (SIGINT to
 itself), SIGTERM (as a launcher sends) or ``os._exit(3)``; ``before`` any collective (the

@@ -64,8 +64,8 @@ def test_flat_offsets_are_256_byte_aligned_in_param_dtype():
     assert [(s.offset, s.padded_numel) for s in half.slots] == [(0, 128), (128, 256)]
 
 
-def test_reduce_scatter_layout_matches_issue_example():
-    # the JSON example of issue 3: w0 [10, 3] fp32 at 4 ranks -> padded 256, slice [0, 256)
+def test_reduce_scatter_layout_matches_the_documented_example():
+    # the documented JSON example: w0 [10, 3] fp32 at 4 ranks -> padded 256, slice [0, 256)
     layout = plan_sharded(metas(([10, 3], "float32"), ([1000], "float32")), nranks=4)
     w0 = layout["t0"]
     assert (w0.offset, w0.padded_numel) == (0, 256)

@@ -63,7 +63,7 @@ def test_tiny_model_small_sweeps_applicable_targets_files_in_out(tmp_path):
     assert "add_grad per param" in shown and "raw collective" not in shown
     assert "target(s) not shown" in proc.stdout
     assert all(not t["applies"] for t in res["targets"] if "raw collective" in t["what"])
-    # issue 29: every strategy beside the memcpy floor (same rounds), the half step too
+    # every strategy beside the memcpy floor (same rounds), the half step too
     side = proc.stdout.split("## strategies side by side")[1].split("\n## ")[0]
     header = next(line for line in side.splitlines() if line.startswith("| step"))
     assert "x memcpy" in header and "x floor+scale" in header

@@ -314,7 +314,8 @@ def measure_size(b: "Bench", lay: Dict[str, Any], size: Any, strategies: Sequenc
                                 group, comm, s)
     nbytes = grad_bytes(next(iter(bufs.values())))
     reps = int(min(MAX_REPS, max(1, REPS_BYTES // max(nbytes, 1))))
-    fns: Dict[str, Callable[[], float]] = {s: functools.partial(median_step, v, reps) for s, v in bufs.items()}
+    fns: Dict[str, Callable[[], float]] = {s: functools.partial(median_step, v, reps)
+                                           for s, v in bufs.items()}
     raw_on = bufs.get("thread") or [None]
     arrays = ([x.grad_storage for x in raw_on] if raw_on[0] is not None
               else [np.ones(nbytes // 4, np.float32)])
