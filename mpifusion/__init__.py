@@ -1,8 +1,8 @@
 """mpifusion: an MPI reference implementation of PaddlePaddle's tensor fusion helper.
 
 Params and grads live in flat, 256-byte-aligned buffers grouped by size; grads are reduced
-with non-blocking MPI collectives (all-reduce, reduce, reduce-scatter) and sharded params are
-all-gathered back. Backward hooks are emulated by explicit ``add_grad`` calls.
+asynchronously (all-reduce, reduce, reduce-scatter: shared memory within a node, MPI
+collectives between nodes) and sharded params are all-gathered back. Backward hooks are emulated by explicit ``add_grad`` calls.
 
 Layers (each imports only the ones above it): ``errors``/``dtypes``/``config``; ``plan``
 (pure layout and grouping); ``arrays`` (numpy/cupy, DLPack); ``comm`` (every MPI call);
