@@ -464,7 +464,8 @@ class ThreadEngine(Engine):
             for call in task.steps:
                 method = call.method
                 ahead = call.ahead if deadline is None and not call.fence else None
-                _land_until(inflight, ahead or 0)
+                if inflight:  # only pipelined calls with ``ahead`` leave any
+                    _land_until(inflight, ahead or 0)
                 if method is None and not call.check:
                     if call.pause > 0:
                         time.sleep(call.pause)
@@ -490,7 +491,7 @@ class ThreadEngine(Engine):
                     return False
                 if land is not None:
                     land()  # the call landed
-            if deadline is None:
+            if deadline is None and inflight:
                 _land_until(inflight, 0)
         except BaseException as exc:  # reported to the caller by wait()
             self._failed(task, exc)

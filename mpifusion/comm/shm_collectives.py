@@ -160,6 +160,11 @@ _PIPE_ACC, _PIPE_PART = 16, 16 + PIPE_SLOTS
 _RS_BLOCK, _RS_OUT = 16 + 2 * PIPE_SLOTS, 16 + 3 * PIPE_SLOTS
 
 
+def _slot(k: int, overlap: bool) -> int:
+    """The scratch slot of chunk (or round) ``k``: a ring when pipelined, else one slot."""
+    return k % PIPE_SLOTS if overlap else 0
+
+
 class _CrossPipe:
     """``hierarchical``'s inter-node step of an all-reduce (``root_node`` None: a
     reduce-scatter over the nodes, then an all-gather of the blocks, so each block is summed
@@ -181,8 +186,7 @@ class _CrossPipe:
 
     def acc(self, n: int, dtype: Any) -> np.ndarray:
         """The accumulator of the next chunk."""
-        slot = self.k % PIPE_SLOTS if self.overlap else 0
-        return self.stream.work(_PIPE_ACC + slot, n, dtype)
+        return self.stream.work(_PIPE_ACC + _slot(self.k, self.overlap), n, dtype)
 
     def hand_over(self, acc: np.ndarray, land: Callable[[], None]) -> Steps:
         """Sum ``acc`` (this chunk's node sum) over the nodes, in place; ``land`` once it is
@@ -203,8 +207,7 @@ class _CrossPipe:
                             ahead=PIPE_SLOTS - 2)
             return
         counts, displs = _counts(acc.size, stream.nodes)
-        slot = k % PIPE_SLOTS if self.overlap else 0
-        part = stream.work(_PIPE_PART + slot, counts[stream.node], acc.dtype)
+        part = stream.work(_PIPE_PART + _slot(k, self.overlap), counts[stream.node], acc.dtype)
         scatter = (mpi_spec(acc), mpi_spec(part))
         kwargs = {"recvcounts": counts, "op": MPI.SUM}
         if not self.overlap:
@@ -485,7 +488,7 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
         else:
             # round i's slots are free: its reduce-scatter follows round i-4's, and round
             # i-1's left at most two earlier ones in flight
-            slot = i % PIPE_SLOTS if overlap else 0
+            slot = _slot(i, overlap)
             block = stream.work(_RS_BLOCK + slot, nodes * w, wide).reshape(nodes, w)
             for k, s in enumerate(owned):
                 yield from _sum_into(stream, parts(s), [block[k]], 0, w, None, chunk)

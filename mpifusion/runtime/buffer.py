@@ -59,12 +59,11 @@ logger = logging.getLogger("mpifusion")
 
 
 def _grad_bytes_hint(params: Sequence[Any]) -> Optional[int]:
-    """The bytes of the grads of ``params`` (fp32 where narrower params may take main grads:
-    the larger of the two), for ``auto``'s choice across nodes; None where a param is not
-    one (that error is raised later, after the communicator every rank builds)."""
+    """The bytes of the grads of ``params`` (as main grads: fp32 where a param is narrower,
+    the larger the grads can be), for ``auto``'s choice across nodes; None where a param is
+    not one (that error is raised later, after the communicator every rank builds)."""
     try:
-        return sum(p.numel * max(grad_dtype_for(p.dtype, False).itemsize,
-                                 grad_dtype_for(p.dtype, True).itemsize) for p in params)
+        return sum(p.numel * grad_dtype_for(p.dtype, True).itemsize for p in params)
     except Exception:  # noqa: BLE001 - reported by the checks that follow
         return None
 
