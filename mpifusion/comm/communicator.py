@@ -60,7 +60,7 @@ from ..config import THREADED_STRATEGIES, CommOptions, DEFAULT_SEGMENT_BYTES
 from ..dtypes import HALF
 from ..errors import AbandonedError, CommLimitError, OptionError, StateError
 from ..machine import segment_for
-from . import health, order as order_mod, shm_collectives as shm_steps
+from . import health, order as order_mod, shm_collectives as shm_steps, tuning
 from .collectives import (allgather_steps, allreduce_steps, barrier_steps,
                           reduce_scatter_steps)
 from .shm import NodeMemory, ShmStream, agree_max, memory_for, node_layout
@@ -68,7 +68,7 @@ from .engines import ThreadEngine
 from .registry import engine_for, engines_of, private_comm, private_split
 from .order import ALLGATHER, ALLREDUCE, BARRIER, REDUCE, REDUCE_SCATTER, Negotiator
 from .call import Steps, as_nonblocking
-from .record import Collective
+from .record import Build, Collective, Plan
 from .task import CommTask
 
 logger = logging.getLogger("mpifusion")
@@ -76,22 +76,6 @@ logger = logging.getLogger("mpifusion")
 #: negotiated order: which of a slot's item bits each kind of collective uses
 _ITEM_KIND = {ALLREDUCE: 0, REDUCE: 0, REDUCE_SCATTER: 0, ALLGATHER: 1, BARRIER: 2}
 
-#: ``thread`` strategy: a caller waiting for a collective of buffers up to this size runs it
-#: itself if the thread has not started it (measured: BENCHMARKS.md, small messages). Under a
-#: deadline its calls are non-blocking on every rank, whoever runs them (a caller cannot bound
-#: a blocking call, and MPI never matches a blocking collective with a non-blocking one)
-INLINE_MAX_BYTES = 64 << 10
-#: the same for the shared-window collectives (``shm``, ``hierarchical``): one of 1 MiB takes
-#: about as long as waking the thread (2 ranks, started and waited at once, x MPI's own
-#: Allreduce: 1 MiB in a window 0.78 -> 0.52 with MPICH, 1.41 -> 0.91 with Open MPI;
-#: BENCHMARKS.md). One that nobody waits for starts ``HANDOFF_S`` (2 ms) after it was
-#: started, when the thread takes it
-SHM_INLINE_MAX_BYTES = 1 << 20
-#: ``auto`` across nodes takes ``thread`` for a buffer of fewer bytes per rank than this:
-#: there its one MPI all-reduce beat ``hierarchical``'s node barriers and two inter-node
-#: calls (emulated clusters of 2-4 nodes x 2 ranks at 1 and 10 Gbit/s: 64 KiB 1.17-1.36x
-#: ``thread``'s step; from 1 MiB 0.39-0.99x: benchmarks/bench_cluster_mpich.txt)
-AUTO_HIERARCHICAL_MIN_BYTES = 256 << 10
 #: ``_start``'s ``way`` of the shm collectives (0: MPI calls), in the order check's fingerprint
 SHM_WAY = 1
 
@@ -127,7 +111,7 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
     ranks share a node, since a direct reduction in a shared window stays near a memcpy where
     MPI's own all-reduce ran 1.1-7x slower (BENCHMARKS.md): ``shm`` when every rank is on one
     node, ``hierarchical`` across nodes of several ranks each (``thread`` for a buffer of
-    ``nbytes`` below :data:`AUTO_HIERARCHICAL_MIN_BYTES`, where it measured faster), else
+    ``nbytes`` below ``Tuning.auto_hierarchical_min_bytes``, where it measured faster), else
     ``thread`` (its blocking segments on a communication thread); ``nonblocking`` below
     MPI_THREAD_MULTIPLE (no second thread may call MPI). ``thread_multiple``: the thread level
     (None: MPI's); ``nbytes``: the bytes per rank the communicator carries (None: unknown,
@@ -146,9 +130,10 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
         return "shm", f"auto: all {size} ranks share one node"
     if per_node <= 1:
         return "thread", "auto: one rank per node"
-    if nbytes is not None and nbytes < AUTO_HIERARCHICAL_MIN_BYTES:
+    low = tuning.current().auto_hierarchical_min_bytes
+    if nbytes is not None and nbytes < low:
         return "thread", (f"auto: {size // per_node} nodes of {per_node} ranks, a buffer of "
-                          f"{nbytes} bytes (below {AUTO_HIERARCHICAL_MIN_BYTES >> 10} KiB "
+                          f"{nbytes} bytes (below {low >> 10} KiB "
                           f"thread's one all-reduce is faster across nodes)")
     return "hierarchical", f"auto: {size // per_node} nodes of {per_node} ranks"
 
@@ -172,7 +157,8 @@ class Communicator:
                  open: bool = True, *,
                  node_probe: Optional[Callable[[MPI.Comm], int]] = None,
                  nbytes: Optional[int] = None, **overrides: Any) -> None:
-        """``options`` (default: :meth:`CommOptions.from_env`); keyword ``overrides``
+        """``comm``: the user's communicator, never used itself (its private duplicates
+        are). ``options`` (default: :meth:`~mpifusion.CommOptions.from_env`); keyword ``overrides``
         (``strategy``, ``segment_bytes``, ``timeout``, ``order``, ...) replace single fields.
         ``open=False`` defers the agreement check and the stream to :meth:`open` (a buffer
         adds its own description to the check). ``node_probe``: how many ranks of a
@@ -192,7 +178,7 @@ class Communicator:
         #: options this rank cannot run with, raised after the agreement check (``open``)
         self._bad_options: List[str] = []
         per_node, uneven = self._nodes(options)
-        #: ``auto`` chose the strategy (its fallback is then no surprise: logged at info)
+        #: ``auto`` chose the strategy (its fallback is then no surprise, logged at info)
         self.auto = options.strategy == "auto"
         if self.auto:
             strategy, why = resolve_strategy("auto", comm.Get_size(), per_node, uneven,
@@ -230,7 +216,7 @@ class Communicator:
         self._negotiator: Optional[Negotiator] = None
         self._segments: dict = {}   # (dtype, segment_bytes) -> _form(dtype)
         self.closed = False
-        #: why ``shm`` was asked for and ``thread`` runs (None: it runs, or was not asked for)
+        #: why ``shm`` was asked for and ``thread`` runs (None where it runs, or was not asked for)
         self.shm_fallback: Optional[str] = None
         self._node_probe = node_probe
         self._memory: Optional[NodeMemory] = None   # shm: the node's windows
@@ -267,6 +253,7 @@ class Communicator:
                 ("window", str(self.window)), ("allreduce", self.allreduce_way),
                 ("node_size", str(self.options.node_size)),
                 ("pipeline", str(self.options.pipeline)),
+                ("tuning", tuning.current().changed() or "the defaults"),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -274,7 +261,13 @@ class Communicator:
 
     def open(self, entries: Sequence[Any] = (), where: Optional[str] = None) -> None:
         """Check that every rank builds the same thing (``entries``, plus this communicator's
-        options), then open the stream. Collective over ``comm``, in construction order."""
+        options), then open the stream. Collective over ``comm``, in construction order.
+        ``where`` prefixes its errors (default ``"rank R: communicator"``).
+
+        Raises:
+            AgreementError: the ranks described different things (names what differs).
+            OptionError: options this rank cannot run with.
+        """
         if self.comm is not None:
             return
         where = where or f"rank {self.rank}: communicator"
@@ -304,7 +297,7 @@ class Communicator:
             if self.slot is not None:
                 self.tracker.free_slot(self.slot)
             raise
-        engine = engine_for(self.comm, self.strategy, tag)
+        engine = engine_for(self.comm, self.strategy, tag, window=self.window)
         if self.order == "negotiated" and engine.negotiator is None:
             engine.negotiator = Negotiator(engine)
         self._engine = engine
@@ -313,9 +306,11 @@ class Communicator:
     def _stream_tag(self) -> str:
         """The stream this communicator's collectives run on. Verified and unverified
         collectives never share one: where ranks started them in different orders, one
-        rank's order check would meet another's data."""
+        rank's order check would meet another's data; a ``nonblocking`` stream has one
+        window, its engine's."""
         return (self.strategy + ("" if self.order == "strict" else "/negotiated")
-                + ("" if self.verify else "/unverified"))
+                + ("" if self.verify else "/unverified")
+                + (f"/window{self.window}" if self.window > 1 else ""))
 
     def _open_shm(self, where: str) -> None:
         """Take ``shm`` where every rank is on one node (``hierarchical``: where the nodes
@@ -386,7 +381,8 @@ class Communicator:
         dtype)``, e.g. a buffer's grad and param storage; ``[]`` for other strategies, device
         arrays, or where the ranks agreed not to make one (too little shared memory: logged).
         Collective with ``shm``: every rank reserves the same sizes in the same order (a
-        buffer does it at construction, after its agreement check)."""
+        buffer does it at construction, after its agreement check). ``like``: an array of
+        the buffer's kind (a device array gets no region); ``where`` prefixes the warning."""
         if self._memory is None:
             return []
         where = where or f"rank {self.rank}: communicator"
@@ -411,7 +407,10 @@ class Communicator:
 
     def abandon(self, task: CommTask, key: int, seq: int, where: str) -> None:
         """Give ``task`` up: every stream of comm_group refuses later collectives on this
-        rank, and the peers are told so that theirs refuse too."""
+        rank, and the peers are told so that theirs refuse too. ``key`` and ``seq`` say
+        which collective it was (the buffer's index on the communicator, and its count of
+        collectives started), as the peers are told; ``where`` begins the refusals'
+        message."""
         task.abandoned = True
         reason = (f"{where}: refused: a collective of this communicator ({task.name or 'task'}) "
                   f"was abandoned after a timeout (reset(abandon=True)); MPI cannot cancel it, "
@@ -423,7 +422,13 @@ class Communicator:
 
     def check_usable(self, name: str) -> None:
         """Refuse before anything changes: closed buffer, or an abandoned collective here or
-        on a peer (announced on the control communicator)."""
+        on a peer (announced on the control communicator). ``name`` is the call refused, for
+        the message.
+
+        Raises:
+            StateError: closed, or never opened.
+            AbandonedError: a collective was abandoned on this communicator.
+        """
         if self.closed or self.comm is None:
             raise StateError(f"rank {self.rank}: {name}: the buffer was closed (or its "
                              f"communicator never opened); expected an open buffer")
@@ -466,85 +471,116 @@ class Communicator:
             form = self._segments[key] = (seg, order_mod.dtype_code(dtype))
         return form
 
-    def _start(self, steps: Steps, keep: Sequence[Any], name: str,
+    def _start(self, build: Build, keep: Sequence[Any], name: str,
                desc: Sequence[int], nbytes: Optional[int] = None,
                prepare: Optional[Callable[[], None]] = None, way: int = 0) -> CommTask:
-        """Submit a collective: ``desc`` is (kind, count, dtype, root, buffer id, step), what
-        the order check compares (and OrderError names) with this communicator's key (buffer
-        ids may repeat); ``nbytes`` its size on this rank (small ones may run inline;
-        default: of ``keep``), the same on every rank when ``desc`` is. ``prepare`` runs right
-        before the first call that exchanges data -- after the order check -- so a collective
-        refused by the check changed nothing (a buffer's pre-scaling by 1/n). ``way``: how
-        the steps move data (0: MPI calls, ``SHM_WAY``: shared windows), so that ranks that
-        chose differently fail the order check instead of mixing calls."""
+        """Submit a collective whose calls ``build(seq)`` makes, given its place in the
+        stream: ``desc`` is (kind, count, dtype, root, buffer id, step), what the order check
+        compares (and OrderError names) with this communicator's key (buffer ids may repeat);
+        ``nbytes`` its size on this rank (small ones may run inline; default: of ``keep``),
+        the same on every rank when ``desc`` is. ``prepare`` runs right before the first call
+        that exchanges data -- after the order check -- so a collective refused by the check
+        changed nothing (a buffer's pre-scaling by 1/n). ``way``: how the steps move data (0:
+        MPI calls, ``SHM_WAY``: shared windows), so that ranks that chose differently fail
+        the order check instead of mixing calls. Everything decided here is fixed in the
+        record's :class:`Plan` before the engine sees it."""
         self.check_usable(name)
         desc = (*desc, self.key, way)  # one length on every rank: gathered on a mismatch
-        if prepare is not None:
-            steps = _prepared(prepare, steps)
         engine = self._engine
-        op = Collective(steps, name=name, rank=self.rank, keep=keep, window=self.window)
+        negotiator = self._negotiator
+        inline = polled = False
+        if negotiator is None and isinstance(engine, ThreadEngine):
+            if nbytes is None:
+                nbytes = sum([a.nbytes for a in keep])
+            limits = tuning.current()
+            inline = nbytes <= (limits.shm_inline_max_bytes if way == SHM_WAY
+                                else limits.inline_max_bytes)
+            # the same on every rank: size and "timeout set" are agreed
+            polled = inline and self.timeout is not None
+        # negotiated: the rounds agree on a slot, not on what each rank started in it: two
+        # collectives of one Communicator started in different orders would pair silently;
+        # checked as in the strict order, inside the round
+        checked = self.size > 1 and self._needs_check(way)
+        comm, words = self.comm, engine.check_words
+
+        def steps_at(seq: int) -> Steps:
+            steps = build(seq)
+            if prepare is not None:
+                steps = _prepared(prepare, steps)
+            if polled:
+                steps = as_nonblocking(steps)
+            if checked:
+                steps = order_mod.verified_steps(seq, desc, polled, steps, comm, words, name)
+            return steps
+
+        op = Collective(Plan(name, self.rank, polled, inline), steps_at, keep)
         task = CommTask(op, engine, timeout=self.timeout)
-        if self._negotiator is not None:
-            if self.size > 1:
-                # the rounds agree on a slot, not on what each rank started in it: two
-                # collectives of one Communicator started in different orders would pair
-                # silently; checked as in the strict order, inside the round
-                op.steps = self._checked(op, desc, steps, way)
-            self._negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
-                                   + _ITEM_KIND.get(desc[0], 3), op)
-            return task
-        if nbytes is None:
-            nbytes = sum([a.nbytes for a in keep])
-        limit = SHM_INLINE_MAX_BYTES if way == SHM_WAY else INLINE_MAX_BYTES
-        inline = nbytes <= limit and isinstance(engine, ThreadEngine)
-        if inline and self.timeout is not None:
-            op.polled = True  # the same on every rank: size and "timeout set" are agreed
-            op.steps = steps = as_nonblocking(steps)
-        if self.size > 1:
-            op.steps = self._checked(op, desc, steps, way)
-        if inline:
-            engine.submit(op, inline=True)  # a waiting caller may run it itself
+        if negotiator is not None:
+            negotiator.ready(self.slot * Negotiator.KINDS_PER_SLOT
+                             + _ITEM_KIND.get(desc[0], 3), op)
         else:
             engine.submit(op)
         return task
 
-    def _checked(self, op: Collective, desc: Sequence[int], steps: Steps, way: int) -> Steps:
-        """``steps`` behind the order check. MPI's own collectives get it whatever
-        ``verify_order`` says: it is what compares the step serial, so a rank that dropped a
-        step can never pair with its peers' pending collective (run alongside the data
-        instead, it measured slower than before it: BENCHMARKS.md, "Order safety"). One
-        node's shared-window rows compare the step themselves; across nodes the check runs
-        too (a node whose rows disagreed skips the cross-node calls)."""
-        if self.verify or way != SHM_WAY or (self._shm is not None
-                                             and self._shm.cross is not None):
-            return order_mod.verified_steps(op, desc, steps, self.comm,
-                                            self._engine.check_words)
-        return steps
+    def _needs_check(self, way: int) -> bool:
+        """Whether a collective moving data ``way`` runs behind the order check. MPI's own
+        collectives get it whatever ``verify_order`` says: it is what compares the step
+        serial, so a rank that dropped a step can never pair with its peers' pending
+        collective (run alongside the data instead, it measured slower than before it:
+        BENCHMARKS.md, "Order safety"). One node's shared-window rows compare the step
+        themselves; across nodes the check runs too (a node whose rows disagreed skips the
+        cross-node calls)."""
+        return bool(self.verify or way != SHM_WAY or (self._shm is not None
+                                                       and self._shm.cross is not None))
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
     def allreduce(self, buf: Any, scale: Optional[float] = None,
                   name: str = "allreduce", tag: Tuple[int, int] = (-1, -1),
                   prepare: Optional[Callable[[], None]] = None) -> CommTask:
+        """Sum ``buf`` over the ranks, in place, and start at once (non-blocking).
+
+        Args:
+            buf: the flat buffer (host or device; half precision is summed in fp32).
+            scale: multiplies the result (``1/n`` for a mean), in fp32 before the one
+                rounding back, so a mean costs no extra rounding.
+            name: names the collective in errors and timeouts.
+            tag: ``(buffer id, step)``, compared with the other ranks' before any data
+                moves (``OrderError`` when they differ).
+            prepare: run once that check passed, before ``buf`` is read (a pre-scaling),
+                so a refused collective leaves ``buf`` unchanged.
+
+        Returns:
+            The :class:`~mpifusion.CommTask` (``wait()`` finishes it).
+        """
         cuda.synchronize(buf)
         nbytes = buf.nbytes
         seg, code = self._form(buf.dtype)
         desc = (ALLREDUCE, buf.size, code, -1, *tag)
         if self._on_shm(buf):
-            steps = shm_steps.allreduce_steps(self._shm, buf, scale, None, (*desc, self.key),
-                                              seg, name, gather=self.verify,
-                                              pipeline=self.options.pipeline)
-            return self._start(steps, (buf,), name, desc, nbytes, prepare, SHM_WAY)
-        steps = allreduce_steps(buf, scale, seg, root=None, rank=self.rank, window=self.window,
-                                ring=self.size if (self.allreduce_way == "ring"
-                                                   and nbytes > INLINE_MAX_BYTES) else 0)
-        return self._start(steps, (buf,), name, desc, nbytes, prepare)
+            return self._start(
+                lambda seq: shm_steps.allreduce_steps(
+                    self._shm, buf, scale, None, (*desc, self.key), seg, name,
+                    gather=self.verify, pipeline=self.options.pipeline),
+                (buf,), name, desc, nbytes, prepare, SHM_WAY)
+        ring = (self.size if self.allreduce_way == "ring"
+                and nbytes > tuning.current().inline_max_bytes else 0)
+        return self._start(
+            lambda seq: allreduce_steps(buf, scale, seg, root=None, rank=self.rank,
+                                        window=self.window, ring=ring),
+            (buf,), name, desc, nbytes, prepare)
 
     def reduce(self, buf: Any, root: int, scale: Optional[float] = None,
                name: str = "reduce", tag: Tuple[int, int] = (-1, -1),
                sent_scale: Optional[float] = None,
                prepare: Optional[Callable[[], None]] = None) -> CommTask:
         """Sum to ``root``, ``scale`` applied there; the other ranks keep their own values,
-        scaled by ``sent_scale`` if given (each segment after it was sent, in cache)."""
+        scaled by ``sent_scale`` if given (each segment after it was sent, in cache).
+        ``buf``, ``name``, ``tag`` and ``prepare`` as in :meth:`allreduce`; ``root`` is a rank
+        of this communicator.
+
+        Raises:
+            OptionError: ``root`` is not a rank of this communicator.
+        """
         if (isinstance(root, bool) or not isinstance(root, (int, np.integer))
                 or not 0 <= root < self.size):
             raise OptionError(f"rank {self.rank}: {name}: root expected a rank in [0, {self.size}), "
@@ -553,14 +589,15 @@ class Communicator:
         seg, code = self._form(buf.dtype)
         desc = (REDUCE, buf.size, code, int(root), *tag)
         if self._on_shm(buf):
-            steps = shm_steps.allreduce_steps(self._shm, buf, scale, int(root),
-                                              (*desc, self.key),
-                                              seg, name, sent_scale=sent_scale,
-                                              pipeline=self.options.pipeline)
-            return self._start(steps, (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
-        steps = allreduce_steps(buf, scale, seg, root=int(root), rank=self.rank,
-                                window=self.window, sent_scale=sent_scale)
-        return self._start(steps, (buf,), name, desc, buf.nbytes, prepare)
+            return self._start(
+                lambda seq: shm_steps.allreduce_steps(
+                    self._shm, buf, scale, int(root), (*desc, self.key), seg, name,
+                    sent_scale=sent_scale, pipeline=self.options.pipeline),
+                (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
+        return self._start(
+            lambda seq: allreduce_steps(buf, scale, seg, root=int(root), rank=self.rank,
+                                        window=self.window, sent_scale=sent_scale),
+            (buf,), name, desc, buf.nbytes, prepare)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, scale: Optional[float] = None,
                        name: str = "reduce_scatter",
@@ -570,7 +607,12 @@ class Communicator:
         """Sum ``sendbuf`` over ranks; this rank's equal share lands in ``recvbuf`` (which may
         be that share of ``sendbuf`` itself), ``scale`` applied to it. The other shares of
         ``sendbuf`` keep this rank's own values, scaled by ``others_scale`` if given (each
-        piece once packed, in cache)."""
+        piece once packed, in cache). ``name``, ``tag`` and ``prepare`` as in
+        :meth:`allreduce`.
+
+        Raises:
+            OptionError: buffers whose sizes or dtypes do not fit.
+        """
         if sendbuf.size != recvbuf.size * self.size:
             raise OptionError(f"rank {self.rank}: {name}: expected a send buffer of "
                             f"{recvbuf.size * self.size} elements, got {sendbuf.size}")
@@ -582,29 +624,39 @@ class Communicator:
         desc = (REDUCE_SCATTER, sendbuf.size, code, -1, *tag)
         nbytes = sendbuf.nbytes + recvbuf.nbytes
         if self._on_shm(sendbuf) and self._on_shm(recvbuf):
-            steps = shm_steps.reduce_scatter_steps(
-                self._shm, sendbuf, recvbuf, scale, (*desc, self.key),
-                shm_steps.chunk_elements(seg, sendbuf.dtype), name, others_scale=others_scale,
-                pipeline=self.options.pipeline)
-            return self._start(steps, (sendbuf, recvbuf), name, desc, nbytes, prepare, SHM_WAY)
-        steps = reduce_scatter_steps(sendbuf, recvbuf, scale, seg, self.size, self.rank,
-                                     window=self.window, others_scale=others_scale)
-        return self._start(steps, (sendbuf, recvbuf), name, desc, nbytes, prepare)
+            return self._start(
+                lambda seq: shm_steps.reduce_scatter_steps(
+                    self._shm, sendbuf, recvbuf, scale, (*desc, self.key),
+                    shm_steps.chunk_elements(seg, sendbuf.dtype), name,
+                    others_scale=others_scale, pipeline=self.options.pipeline),
+                (sendbuf, recvbuf), name, desc, nbytes, prepare, SHM_WAY)
+        return self._start(
+            lambda seq: reduce_scatter_steps(sendbuf, recvbuf, scale, seg, self.size,
+                                             self.rank, window=self.window,
+                                             others_scale=others_scale),
+            (sendbuf, recvbuf), name, desc, nbytes, prepare)
 
     def allgather_inplace(self, buf: Any, name: str = "allgather",
                           tag: Tuple[int, int] = (-1, -1)) -> CommTask:
-        """Every rank's equal share of ``buf`` (its own shard, in place) to every rank."""
+        """Every rank's equal share of ``buf`` (its own shard, in place) to every rank.
+        ``name`` and ``tag`` as in :meth:`allreduce`.
+
+        Raises:
+            OptionError: ``buf`` does not split evenly over the ranks.
+        """
         if buf.size % self.size:
             raise OptionError(f"rank {self.rank}: {name}: expected a buffer that splits evenly "
                             f"over {self.size} ranks, got {buf.size} elements")
         cuda.synchronize(buf)
         desc = (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag)
         if self._on_shm(buf):
-            steps = shm_steps.allgather_steps(self._shm, buf, (*desc, self.key), name)
-            return self._start(steps, (buf,), name, desc, buf.nbytes, way=SHM_WAY)
-        steps = allgather_steps(buf, self._segment(buf.dtype), self.size, self.rank,
-                                window=self.window)
-        return self._start(steps, (buf,), name, desc, buf.nbytes)
+            return self._start(
+                lambda seq: shm_steps.allgather_steps(self._shm, buf, (*desc, self.key), name),
+                (buf,), name, desc, buf.nbytes, way=SHM_WAY)
+        seg = self._segment(buf.dtype)
+        return self._start(
+            lambda seq: allgather_steps(buf, seg, self.size, self.rank, window=self.window),
+            (buf,), name, desc, buf.nbytes)
 
     def _on_shm(self, arr: Any) -> bool:
         """Whether ``arr`` goes through the shm collectives: a C-contiguous host array on a
@@ -622,5 +674,6 @@ class Communicator:
 
     def barrier(self) -> None:
         """A barrier ordered after every collective this communicator started."""
-        self._start(barrier_steps(), (), "barrier", (BARRIER, 0, 0, -1, -1, -1), 0).wait()
+        self._start(lambda seq: barrier_steps(), (), "barrier",
+                    (BARRIER, 0, 0, -1, -1, -1), 0).wait()
 

@@ -27,7 +27,8 @@ from mpi4py import MPI
 from ..errors import AbandonedError, OrderError, StateError
 from .poll import Backoff, never_moves, poll
 from .call import nonblocking_name
-from .record import Collective
+from . import tuning
+from .record import Collective, finish
 
 
 class Engine:
@@ -95,17 +96,20 @@ class Engine:
                              f"buffer to communicate again")
 
     def _stamp(self, task: Collective) -> None:
-        """Give ``task`` its place in the stream (the engine's lock is held)."""
+        """Give ``task`` its place in the stream, then build its calls with it (the
+        engine's lock is held)."""
         self.check_open()
-        task.seq = self.seq
+        task.start(self.seq)
         self.seq += 1
 
     def _failed(self, task: Collective, exc: BaseException) -> None:
-        """``task`` failed on this rank: record it, and unless every rank fails at the same
-        call (an OrderError) or the stream was already refused, refuse every later
-        collective here: the other ranks may still be inside this one, so the next call
-        made here would pair with its remaining calls there (a wrong sum, not an error)."""
-        task.fail(exc)
+        """``task`` failed on this rank: keep the first error for :meth:`_finish`, and
+        unless every rank fails at the same call (an OrderError) or the stream was already
+        refused, refuse every later collective here: the other ranks may still be inside
+        this one, so the next call made here would pair with its remaining calls there (a
+        wrong sum, not an error)."""
+        if task.failure is None:
+            task.failure = exc
         if not isinstance(exc, (OrderError, AbandonedError)):
             self.abandon(f"rank {self.rank}: refused: {task.name or 'a collective'} of this "
                          f"communicator failed on this rank after the ranks had agreed to run "
@@ -114,10 +118,15 @@ class Engine:
                          f"Save what you need and abort, or build new buffers on a fresh "
                          f"communicator (comm.Split/Dup)")
 
+    def _finish(self, task: Collective) -> None:
+        """``task`` finished on this rank (nothing of it in flight): its record's end."""
+        finish(task, task.failure)
+
     def _refused(self) -> AbandonedError:
         return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
 
-    def submit(self, task: Collective, inline: bool = False) -> None:
+    def submit(self, task: Collective) -> None:
+        """Stamp ``task`` and run it after every task started before it."""
         raise NotImplementedError
 
     def submit_from_stream(self, task: Collective) -> None:
@@ -180,9 +189,10 @@ class Engine:
 
 
 class NonBlockingEngine(Engine):
-    """Non-blocking calls, up to ``task.window`` of one task in flight (a pipeline).
+    """Non-blocking calls, up to ``window`` of one task in flight (a pipeline).
 
-    The head task issues pipelined calls while fewer than its ``window`` are in flight, lands
+    The head task issues pipelined calls while fewer than the engine's ``window`` are in
+    flight (one window per stream: the communicator's stream tag names it), lands
     them in issue order as they complete, and treats a fence as "nothing more until everything
     landed". A task starts only when every earlier task has finished, so all ranks issue the
     same calls in the same order whatever their timing. Only the thread holding the engine's
@@ -197,10 +207,13 @@ class NonBlockingEngine(Engine):
     """
 
     def __init__(self, comm: MPI.Comm, label: str = "",
-                 progress_thread: Optional[bool] = None) -> None:
+                 progress_thread: Optional[bool] = None, window: int = 1) -> None:
         """``progress_thread``: None = where the thread level allows it (tests pass False
-        to drive progress themselves; True is refused below MPI_THREAD_MULTIPLE)."""
+        to drive progress themselves; True is refused below MPI_THREAD_MULTIPLE).
+        ``window``: pipelined calls of one task in flight at most (``CommOptions.window``),
+        which the call generators size their scratch rings by."""
         super().__init__(comm, label)
+        self.window = window
         self.moves = 0                  # calls issued or landed (progress thread's back-off)
         self.wake = threading.Event()   # set when a task is submitted
         self.thread: Optional[threading.Thread] = None
@@ -215,7 +228,7 @@ class NonBlockingEngine(Engine):
         else:
             _UNATTENDED.add(self)
 
-    def submit(self, task: Collective, inline: bool = False) -> None:
+    def submit(self, task: Collective) -> None:
         with self.lock:
             self._stamp(task)
             self.tasks.append(task)
@@ -242,12 +255,12 @@ class NonBlockingEngine(Engine):
             while inflight and inflight[0][0].Test():
                 land = inflight.popleft()[1]
                 self.moves += 1
-                if land is not None and task.error is None:
+                if land is not None and task.failure is None:
                     try:
                         land()
                     except Exception as exc:  # raised by wait()
                         self._stop(task, exc)
-            if inflight and (task.stopped or task.blocked or len(inflight) >= task.window):
+            if inflight and (task.stopped or task.blocked or len(inflight) >= self.window):
                 return False
             if task.stopped:
                 break
@@ -287,7 +300,7 @@ class NonBlockingEngine(Engine):
             # reference to a non-blocking call's arrays, and a scratch slot whose only other
             # owner was the finished generator would be freed (and reused) while MPI reads it
             inflight.append((request, call.land, call.args))
-        task.done.set()
+        self._finish(task)
         return True
 
     def _progress(self) -> None:
@@ -398,12 +411,6 @@ def _land_until(inflight: Deque[Any], keep: int) -> None:
 #: caller's progress and waits move all of them (NonBlockingEngine._progress_others)
 _UNATTENDED: "weakref.WeakSet[NonBlockingEngine]" = weakref.WeakSet()
 
-#: thread strategy: how long a small task is left for its caller's wait() to run it before
-#: the comm thread does (the thread's wake-up is what is saved)
-HANDOFF_S = 0.002
-#: the comm thread looks for such tasks on its own while its communicator was used this
-#: recently; after that it sleeps until a start wakes it
-HOT_S = 1.0
 
 
 class ThreadEngine(Engine):
@@ -411,7 +418,7 @@ class ThreadEngine(Engine):
 
     Small tasks (``inline``) are started without waking the thread: waking it costs 30-150 us
     here, more than a 4-64 KiB collective. A caller that waits for one, with every earlier
-    task finished, runs it itself; if nobody waits within :data:`HANDOFF_S` the thread runs
+    task finished, runs it itself; if nobody waits within ``Tuning.handoff_s`` the thread runs
     it, so a caller that communicates between start and wait (a barrier, a send, another
     buffer) cannot deadlock. Under a deadline such a task's calls are non-blocking
     (``task.polled``): the caller polls them until its deadline, and if that passes hands the
@@ -502,14 +509,15 @@ class ThreadEngine(Engine):
         The engine's lock is held."""
         now = time.monotonic()
         todo = self.todo
+        limits = tuning.current()
         if todo:
             head = todo[0]
-            left = HANDOFF_S - (now - head.since)
+            left = limits.handoff_s - (now - head.since)
             if not head.stealable or len(todo) > 1 or left <= 0:
                 return todo.popleft(), None
             return None, left
-        if now - self.last < HOT_S:
-            return None, HANDOFF_S
+        if now - self.last < limits.hot_s:
+            return None, limits.handoff_s
         self.asleep = True
         return None, None
 
@@ -530,11 +538,12 @@ class ThreadEngine(Engine):
                     if task is None:
                         break
                     self._execute(task)
-                task.done.set()
+                self._finish(task)
 
-    def submit(self, task: Collective, inline: bool = False) -> None:
-        """Start ``task``; ``inline`` (a small collective, no deadline) leaves it a moment
-        for a waiting caller to run (:meth:`wait_for`) instead of waking the thread."""
+    def submit(self, task: Collective) -> None:
+        """Start ``task``; one planned ``inline`` (a small collective) is left a moment for
+        a waiting caller to run (:meth:`wait_for`) instead of waking the thread."""
+        inline = task.plan.inline
         with self.lock:
             self._stamp(task)
             task.stealable = inline
@@ -589,7 +598,7 @@ class ThreadEngine(Engine):
                     self.running.release()
                 if not finished:
                     return self.missed(task)
-                task.done.set()
+                self._finish(task)
                 return True  # finished tasks leave ``tasks`` at the next start or wait
         if not task.done.wait(timeout):
             return self.missed(task)

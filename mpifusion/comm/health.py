@@ -51,7 +51,7 @@ def describe(params: Sequence[Any], options: dict) -> list:
     return entries
 
 
-def fingerprint(entries: list) -> int:
+def entries_digest(entries: list) -> int:
     """A 64-bit hash of the description (blake2b, so equal on every platform and run)."""
     text = "\x1e".join(f"{label}\x1f{value}" for label, value in entries)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
@@ -93,7 +93,7 @@ def check_agreement(comm: MPI.Comm, entries: list, where: str, timeout: Optional
     if comm.Get_size() == 1:
         return minimum
     lock = tracker.lock if tracker is not None else threading.Lock()
-    h = np.uint64(fingerprint(entries))
+    h = np.uint64(entries_digest(entries))
     low = np.uint64(minimum if minimum is not None else 0)
     send = np.array([h, ~h, ~low], dtype=np.uint64)
     recv = np.empty(3, dtype=np.uint64)

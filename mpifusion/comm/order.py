@@ -20,15 +20,16 @@ from __future__ import annotations
 import collections
 import threading
 from functools import partial
-from typing import Any, Deque, Dict, List, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Deque, Dict, Generator, List, Optional, Sequence, TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import OrderError
+from . import tuning
 from .poll import Backoff
 from .call import CHECK, FENCE, Call, Steps, pause
-from .record import Collective
+from .record import Collective, Plan, finish
 
 if TYPE_CHECKING:
     from .engines import Engine
@@ -139,23 +140,30 @@ def order_error(rank: int, rows: np.ndarray, where: str) -> OrderError:
                       steps=None if at is None else (min(at), max(at)))
 
 
-def verified_steps(task: Collective, desc: Sequence[int], steps: Steps, comm: MPI.Comm,
-                   words: Any) -> Steps:
+def verified_steps(seq: int, desc: Sequence[int], polled: bool, steps: Steps,
+                   comm: MPI.Comm, words: Any, name: str) -> Steps:
     """``steps`` preceded by the order check (one all-reduce of two uint64, non-blocking on
-    every engine: see ``call.py``). ``desc`` is (kind, count, dtype, root, buffer id, step,
-    communicator key); ``words`` the engine's ``check_words``. The fingerprint covers the
-    form of the calls that follow, so ranks that would issue them differently stop here
-    instead of deadlocking."""
-    h = fingerprint((task.seq, *desc, task.polled))
+    every engine: see ``call.py``). ``seq`` is the collective's place in the stream,
+    ``desc`` (kind, count, dtype, root, buffer id, step, communicator key), ``polled``
+    whether its calls are non-blocking; ``words`` the engine's ``check_words``. The
+    fingerprint covers the form of the calls that follow, so ranks that would issue them
+    differently stop here instead of deadlocking. Computed now, from the values passed."""
+    h = fingerprint((seq, *desc, polled))
+    row = (seq, *desc)
+    return _checked(h, row, steps, comm, words, name)
+
+
+def _checked(h: int, row: Sequence[int], steps: Steps, comm: MPI.Comm, words: Any,
+             name: str) -> Steps:
     # the engine's scratch: its tasks run one at a time, and this is a fence
     words[0] = h
     words[1] = h ^ _MASK
     yield CHECK
     if words[2] ^ _MASK != words[3]:
-        row = np.array((task.seq, *desc), dtype=np.int64)
-        rows = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-        yield Call("Iallgather", ([row, MPI.INT64_T], [rows, MPI.INT64_T]), nonblocking=True)
-        raise order_error(comm.Get_rank(), rows, task.name or "collective")
+        mine = np.array(row, dtype=np.int64)
+        rows = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+        yield Call("Iallgather", ([mine, MPI.INT64_T], [rows, MPI.INT64_T]), nonblocking=True)
+        raise order_error(comm.Get_rank(), rows, name or "collective")
     yield from steps
 
 
@@ -169,7 +177,6 @@ class Negotiator:
     WORDS = 16                          # 1024 item bits per round
     KINDS_PER_SLOT = 4
     SLOTS = WORDS * 64 // KINDS_PER_SLOT
-    MAX_PAUSE = 1e-3                    # thread engine: back-off between empty rounds
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
@@ -178,6 +185,8 @@ class Negotiator:
         self.active = False             # a round task is queued or running on this rank
         self.current: Optional[Collective] = None
         self.rounds = 0                 # rounds run (for the benchmark)
+        #: collectives run in rounds so far: the next one's place (the same on every rank)
+        self.placed = 0
 
     def ready(self, item: int, task: Collective) -> None:
         """``task`` is ready on this rank; it runs once every rank has marked ``item`` ready."""
@@ -195,10 +204,8 @@ class Negotiator:
                 raise
 
     def _round_task(self) -> Collective:
-        task = Collective(None, name="order negotiation", rank=self.engine.rank)
-        task.steps = self._rounds(task)
-        task.on_fail = self._fail_all
-        return task
+        return Collective(Plan(name="order negotiation", rank=self.engine.rank,
+                               on_fail=self._fail_all), self._rounds)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self.lock:
@@ -209,14 +216,16 @@ class Negotiator:
             self.current = None
             self.active = False
         for t in items:
-            t.fail(exc)
-            t.done.set()
+            finish(t, exc)
 
-    def _rounds(self, rt: Collective) -> Steps:
+    def _rounds(self, seq: int) -> Steps:
+        """The round task's calls (``seq``: its place in the engine's stream): rounds until
+        nothing is ready anywhere that is not ready everywhere, each running the collectives
+        ready everywhere, built with their place among the agreed ones."""
         words = self.WORDS
         send = np.zeros(2 * words + 2, dtype=np.uint64)
         recv = np.empty_like(send)
-        rnd, backoff = 0, Backoff(2e-5, self.MAX_PAUSE)
+        rnd, backoff = 0, Backoff(2e-5, tuning.current().negotiation_max_pause_s)
         while True:
             send[:words] = 0
             with self.lock:
@@ -224,14 +233,14 @@ class Negotiator:
             for i in ids:
                 send[i >> 6] |= np.uint64(1 << (i & 63))
             send[words:2 * words] = ~send[:words]
-            h = np.uint64(fingerprint((ROUND, rt.seq, rnd)))
+            h = np.uint64(fingerprint((ROUND, seq, rnd)))
             send[2 * words], send[2 * words + 1] = h, ~h
             yield Call("Allreduce", ([send, MPI.UINT64_T], [recv, MPI.UINT64_T]),
                        {"op": MPI.BAND})
             self.rounds += 1
             if recv[2 * words] != ~recv[2 * words + 1]:
                 raise OrderError(f"rank {self.engine.rank}: order negotiation round {rnd} of "
-                                 f"negotiation #{rt.seq}: not every rank is in the same round "
+                                 f"negotiation #{seq}: not every rank is in the same round "
                                  f"(a collective started outside the negotiation?)")
             every = recv[:words].copy()
             anywhere = ~recv[words:2 * words]
@@ -241,15 +250,14 @@ class Negotiator:
                 with self.lock:
                     task = self.queues[item].popleft()
                     self.current = task
-                rt.window = task.window  # its pipelined calls run in the round's place
                 try:
-                    yield from _own_landings(task)
-                except Exception as exc:  # a landing error: the task's, not the round's
-                    task.fail(exc)
-                rt.window = 1
+                    failure = yield from _own_landings(task, self.placed)
+                except Exception as exc:  # its steps raised: the task's error, not the round's
+                    failure = exc
+                self.placed += 1
                 with self.lock:
                     self.current = None
-                task.done.set()
+                finish(task, failure)
             rnd += 1
             if not np.any(anywhere & ~every):
                 # nothing ready anywhere that was not reduced now: every rank ends here
@@ -265,18 +273,23 @@ class Negotiator:
                 yield pause(backoff.next())
 
 
-def _own_landings(task: Collective) -> Steps:
-    """``task``'s steps inside a negotiation round: its landing errors stay its own (not the
-    round's), and it ends with a fence, so the round marks it finished only once landed."""
-    for call in task.steps:
+def _own_landings(task: Collective,
+                  seq: int) -> Generator[Call, None, Optional[BaseException]]:
+    """``task``'s calls inside a negotiation round, built with ``seq``; returns its first
+    landing error, which stays its own (not the round's). It ends with a fence, so the round
+    finishes it only once everything landed."""
+    errors: List[BaseException] = []
+    build = task.build
+    for call in (build(seq) if build is not None else ()):
         if call.land is not None:
-            call = call._replace(land=partial(_land_for, task, call.land))
+            call = call._replace(land=partial(_land_for, errors, call.land))
         yield call
     yield FENCE
+    return errors[0] if errors else None
 
 
-def _land_for(task: Collective, land: Any) -> None:
+def _land_for(errors: List[BaseException], land: Any) -> None:
     try:
         land()
     except Exception as exc:
-        task.fail(exc)
+        errors.append(exc)

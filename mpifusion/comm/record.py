@@ -1,17 +1,23 @@
-"""``Collective``: an engine's record of one started collective.
+"""``Collective``: an engine's record of one started collective, and ``finish``, its end.
 
-Whoever starts a collective (``Communicator``, the negotiator's rounds) fills in its calls,
-``window`` and ``polled``; from ``submit`` on the engine owns it: it pulls the calls, keeps
-what is in flight with its arrays, marks a missed deadline (``late``) and sets ``done`` once
-the collective finished, with or without an ``error``. The caller holds a ``CommTask``,
-which reads the record and clears it once complete (``Collective.clear``). Keeping this
-state out of the handle leaves one writer per field: the engine.
+A record has three parts, each with one writer:
+
+- its :class:`Plan`, what the starter decided (its name, whether a waiting caller may run or
+  poll it, whom to tell of a failure): a frozen value, fixed when the record is built;
+- the engine's working state (``seq``, ``steps``, ``requests``, ``keep`` and the flags below):
+  written by the engine that runs it, from ``submit`` on. The engine stamps the collective
+  (its ``seq``, its place in the stream) and only then builds its calls with that serial
+  passed in (``build``), so no call generator reads state that is set later;
+- its result (``error``, ``done``): written once, by :func:`finish`, which the engines and
+  the negotiator (for the collectives run inside its rounds) call.
+
+The caller holds a ``CommTask``, which only reads the record.
 """
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 from .call import Steps
 
@@ -61,52 +67,99 @@ class Latch:
 #: landed, because mpi4py keeps no reference to a non-blocking call's arrays)
 InFlight = Tuple[Any, Optional[Callable[[], None]], Any]
 
+#: builds a collective's calls, given its place in the stream (the engine's serial)
+Build = Callable[[int], Steps]
+
+
+class Plan(NamedTuple):
+    """What the starter of a collective decided, before any engine sees it (immutable: a
+    named tuple, cheap to build on every start of a small collective)."""
+
+    name: str = ""
+    rank: int = -1
+    #: thread engine: its calls are non-blocking (small, under a deadline), so a caller
+    #: waiting with a deadline may run and poll them
+    polled: bool = False
+    #: thread engine: a small collective, left a moment for a waiting caller to run it
+    #: instead of waking the communication thread
+    inline: bool = False
+    #: told of the failure once the collective finished with one (a negotiation round fails
+    #: the collectives queued in it)
+    on_fail: Optional[Callable[[BaseException], None]] = None
+
 
 class Collective:
     """One collective as its engine runs it (see the module docstring)."""
 
-    __slots__ = ("name", "rank", "steps", "requests", "keep", "done", "error", "seq",
-                 "window", "blocked", "stopped", "stealable", "since", "polled", "on_fail",
-                 "late", "__weakref__")
+    __slots__ = ("plan", "build", "steps", "requests", "keep", "seq", "blocked", "stopped",
+                 "failure", "stealable", "since", "late", "_error", "_done", "__weakref__")
 
-    def __init__(self, steps: Optional[Steps], name: str = "", rank: int = -1,
-                 keep: Sequence[Any] = (), window: int = 1) -> None:
-        self.name = name
-        self.rank = rank
-        #: its calls, pulled by the engine (None once complete)
-        self.steps: Optional[Steps] = steps
+    def __init__(self, plan: Plan, build: Optional[Build], keep: Sequence[Any] = ()) -> None:
+        self.plan = plan
+        #: makes its calls once the engine stamped it (consumed then)
+        self.build: Optional[Build] = build
+        #: its calls, pulled by the engine (None before it was stamped and once finished)
+        self.steps: Optional[Steps] = None
         #: calls in flight, oldest first (nonblocking; thread: the one left at a deadline)
         self.requests: Deque[InFlight] = collections.deque()
-        #: the arrays MPI reads or writes, alive until the collective is complete
+        #: the arrays MPI reads or writes, alive until the collective finished
         self.keep: List[Any] = list(keep)
-        self.done = Latch()         # set by the engine once finished
-        self.error: Optional[BaseException] = None
         self.seq = -1               # its place in the engine's stream (set on submit)
-        self.window = window        # pipelined calls in flight at most (nonblocking engine)
         self.blocked = False        # the last call was a fence: pull nothing until it landed
         self.stopped = False        # no more calls (steps exhausted, or failed)
+        #: why it failed on this rank, once known (its calls in flight still complete);
+        #: what :func:`finish` records
+        self.failure: Optional[BaseException] = None
         self.stealable = False      # thread engine: left a moment for its caller to run
         self.since = 0.0            # thread engine: when it was started (monotonic)
-        #: thread engine: its calls are non-blocking (small, under a deadline), so a caller
-        #: waiting with a deadline may run and poll them
-        self.polled = False
-        #: told of the failure (the negotiation round fails the collectives queued in it)
-        self.on_fail: Optional[Callable[[BaseException], None]] = None
         self.late = False           # a wait missed its deadline (CommTask.timed_out)
+        self._error: Optional[BaseException] = None
+        self._done = Latch()
 
-    def fail(self, exc: BaseException) -> None:
-        """Record why it failed (the engine sets ``done`` afterwards); the first error wins."""
-        if self.error is None:
-            self.error = exc
-        hook, self.on_fail = self.on_fail, None
-        if hook is not None:
-            hook(exc)
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def polled(self) -> bool:
+        return self.plan.polled
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why it failed (set by :func:`finish`; None while it runs or once it succeeded)."""
+        return self._error
+
+    @property
+    def done(self) -> Latch:
+        """Set by :func:`finish` once the collective finished, with or without an error."""
+        return self._done
 
     def finished(self) -> bool:
-        return self.done.flag
+        return self._done.flag
 
-    def clear(self) -> None:
-        """Complete: let go of its calls and arrays (MPI is done with them)."""
-        self.requests = collections.deque()
-        self.steps = None
-        self.keep = []
+    def start(self, seq: int) -> None:
+        """Stamp it with its place in the stream and build its calls (the engine, once)."""
+        self.seq = seq
+        build, self.build = self.build, None
+        self.steps = build(seq) if build is not None else iter(())
+
+
+def finish(op: Collective, error: Optional[BaseException] = None) -> None:
+    """End ``op``: record ``error`` (None: it succeeded), let go of its calls and arrays (MPI
+    is done with them), tell ``plan.on_fail`` of a failure and set ``done``. The only writer
+    of a record's result; a record finishes once (a later call does nothing)."""
+    if op._done.flag:
+        return
+    op._error = error
+    op.steps = None
+    op.build = None
+    op.requests = collections.deque()
+    op.keep = []
+    hook = op.plan.on_fail
+    if error is not None and hook is not None:
+        hook(error)
+    op._done.set()

@@ -82,7 +82,12 @@ def private_comm(comm: MPI.Comm, tag: str = "", timeout: Optional[float] = None)
     use). Each stream (strategy and order) gets its own duplicate, so their calls never
     interleave. Always a polled ``Idup`` -- the same call on every rank whatever its
     deadline -- bounded by ``timeout``: a rank that never builds a buffer on ``comm`` gives
-    a ``CommTimeoutError`` instead of a hang."""
+    a ``CommTimeoutError`` instead of a hang.
+
+    Raises:
+        CommTimeoutError: the duplicate was not made within ``timeout`` seconds (a rank
+            of ``comm`` did not take part).
+    """
     with _REGISTRY_LOCK:
         keyval = _keyval()
         dups = comm.Get_attr(keyval)
@@ -129,16 +134,17 @@ def private_comms_of(comm: MPI.Comm) -> dict:
 
 
 def engine_for(dup: MPI.Comm, strategy: str, label: str,
-               progress_thread: Optional[bool] = None) -> Engine:
+               progress_thread: Optional[bool] = None, window: int = 1) -> Engine:
     """The one engine of a private communicator (made on first use). ``progress_thread``:
     for a ``nonblocking`` engine made now, whether it gets one (None: where the thread level
-    allows it; False drives it from the callers only, as below MPI_THREAD_MULTIPLE)."""
+    allows it; False drives it from the callers only, as below MPI_THREAD_MULTIPLE);
+    ``window``: its segments in flight per collective (the stream's tag names it)."""
     with _REGISTRY_LOCK:
         key = dup.py2f()
         engine = _ENGINES.get(key)
         if engine is None:
             # shm runs on a communication thread too: it drives the reduction itself
-            engine = (NonBlockingEngine(dup, label, progress_thread)
+            engine = (NonBlockingEngine(dup, label, progress_thread, window)
                       if strategy == "nonblocking" else ThreadEngine(dup, label))
             _ENGINES[key] = engine
         return engine

@@ -1,10 +1,10 @@
 """``CommTask``: the one handle for in-flight collectives (Paddle's ``task``).
 
-Through its record (``record.Collective``) it keeps every array MPI touches alive until the
-collective is done, because mpi4py does not keep non-blocking buffers alive, and it carries
-its own deadline: ``wait()`` without an argument waits at most the communicator's
-``timeout`` (so a task handed out by ``sync_params(sync=False)`` is bounded like every
-other wait).
+It reads its record (``record.Collective``), which keeps every array MPI touches alive until
+the collective finished, because mpi4py does not keep non-blocking buffers alive; it never
+writes it (the engine does, and ``record.finish``). It carries its own deadline: ``wait()``
+without an argument waits at most the communicator's ``timeout`` (so a task handed out by
+``sync_params(sync=False)`` is bounded like every other wait).
 """
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ class CommTask:
     message (the owner's late ranks). What the engine knows of the collective -- its calls,
     the arrays MPI uses, its place in the stream -- is in its record (``record.Collective``),
     which the engine owns.
+
+    A communicator makes it when it starts a collective (``buf.task``,
+    ``sync_params(sync=False)``); users do not build one.
+
+    Args:
+        op: the collective's record (its name, arrays and state).
+        engine: the engine that runs it, driven by :meth:`is_completed` and :meth:`wait`.
+        timeout: the default deadline of :meth:`wait`, in seconds (None: forever).
     """
 
     __slots__ = ("name", "timeout", "abandoned", "context", "_op", "_engine", "_finish",
@@ -126,7 +134,6 @@ class CommTask:
             return
         self._done = True
         finish, self._finish = self._finish, None
-        self._op.clear()
         self.context = None
         if self._op.error is None and finish is not None:
             finish()

@@ -39,7 +39,7 @@ diagnosis explains every wrong rank's output: where ranks differ, its text names
 group's ranks, kind and text (:func:`_merge`). The verdict is never touched (``check``
 calls this for failing params only, and only records the result). The contract
 (:class:`Diagnosis`, :class:`ParamCase`) and the element-wise models (shift, swap,
-precision) are in ``diagnosis.py``.
+precision) are in ``fault_models.py``.
 """
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..plan.grouping import grad_dtype_for
 from .bound import ReferenceSum, error_bound
-from .diagnosis import (FIELDS, KINDS, Diagnosis, ParamCase, RankOutput, ReducedBuffer, column,
-                        expected_weights, find_precision, find_shift, find_swap, fmt_factor,
-                        misfit, model, names_of, simple_fraction)
+from .fault_models import (FIELDS, KINDS, Diagnosis, ParamCase, RankOutput, ReducedBuffer,
+                           column, expected_weights, find_precision, find_shift, find_swap,
+                           fmt_factor, misfit, model, names_of, simple_fraction)
 from .dumps import read_array
 
 #: elements the weights are fitted on (the model is then checked on every element)
@@ -620,7 +620,16 @@ def _merge(case: ParamCase, found: List[Diagnosis]) -> Diagnosis:
 
 
 def diagnose(case: ParamCase) -> Diagnosis:
-    """The likely bug behind one failing param (see the module docstring for the method)."""
+    """The likely bug behind one failing param (see the module docstring for the method).
+
+    Advice only: the check's verdict never depends on it.
+
+    Args:
+        case: the failing param's inputs, outputs, reference and bound.
+
+    Returns:
+        A :class:`Diagnosis`; its ``kind`` is ``unexplained`` when no model fits.
+    """
     failing = [r for r in case.failing if r in case.outputs]
     if not failing:
         return Diagnosis("unexplained", "no output to diagnose", list(case.failing))

@@ -364,13 +364,14 @@ def _strategy_default() -> Tuple[str, str]:
         _, _, per, uneven = node_layout(MPI.COMM_WORLD, options.node_size, options.timeout)
     except OptionError as exc:
         return "none", f"refused: {exc}"
-    from ..comm.communicator import AUTO_HIERARCHICAL_MIN_BYTES
+    from ..comm import tuning
 
     strategy, why = resolve_strategy(options.strategy, MPI.COMM_WORLD.Get_size(), per, uneven)
     if strategy == "hierarchical" and options.strategy == "auto":  # and for a small buffer
         small, _ = resolve_strategy("auto", MPI.COMM_WORLD.Get_size(), per, uneven,
                                     nbytes=0)
-        why += f"; {small} for buffers below {AUTO_HIERARCHICAL_MIN_BYTES >> 10} KiB"
+        low = tuning.current().auto_hierarchical_min_bytes
+        why += f"; {small} for buffers below {low >> 10} KiB"
     return strategy, why
 
 
@@ -421,6 +422,7 @@ def collect_info() -> dict:
 
     from ..arrays import backend, halfcast
     from ..arrays.cuda import is_cuda_aware
+    from ..comm import tuning
     from ..comm.shm import ranks_on_node
 
     level = MPI.Query_thread()
@@ -460,6 +462,8 @@ def collect_info() -> dict:
         "mpifusion": __version__,
         "python": platform.python_version(),
         "slurm": view_json(slurm_view(os.environ)),  # None outside a Slurm job
+        "tuning": {name: value for name, value, _ in tuning.current().rows()},
+        "tuning_changed": tuning.current().changed(),
     }
 
 
@@ -495,6 +499,12 @@ def cmd_info(args: argparse.Namespace) -> int:
             say(f"{'nodes:':<16}{nodes_line(info['nodes'])}")
             for slurm_label, slurm_value in summary_lines(view):
                 say(f"{slurm_label + ':':<16}{slurm_value}")
+    # the thresholds of comm/ (mpifusion.comm.tuning: each with the measurement behind it)
+    changed = info["tuning_changed"]
+    say(f"{'tuning:':<16}" + (f"changed: {changed}" if changed else "the defaults")
+        + " (mpifusion.comm.tuning.Tuning)")
+    for name, value in info["tuning"].items():
+        say(f"  {name:<30}{value}")
     if problem:
         say(f"warning: {problem}")
         return EXIT_FAIL

@@ -265,13 +265,14 @@ def test_the_nodes_are_real(net, mpi):
 def test_buffers_across_nodes(net, mpi, strategy):
     """auto: 2 nodes of 2 ranks each, so ``hierarchical`` (shm within a node, MPI between
     the nodes) for the 1.2 MB buffer and ``thread`` for the 20 KB ones (below
-    AUTO_HIERARCHICAL_MIN_BYTES); the results are the float64 mean within fp32 rounding, on
-    every rank."""
-    from mpifusion.comm.communicator import AUTO_HIERARCHICAL_MIN_BYTES
+    ``Tuning.auto_hierarchical_min_bytes``); the results are the float64 mean within fp32
+    rounding, on every rank."""
+    from mpifusion.comm import tuning
 
+    low = tuning.current().auto_hierarchical_min_bytes
     answers = driver(net, mpi, "buffers", strategy)
     want = [strategy if strategy != "auto" else
-            "thread" if 4 * numel < AUTO_HIERARCHICAL_MIN_BYTES else "hierarchical"
+            "thread" if 4 * numel < low else "hierarchical"
             for _act, numel in BUFFERS]
     assert strategy != "auto" or set(want) == {"thread", "hierarchical"}, want
     for a in answers:

@@ -152,8 +152,9 @@ def _unattended(user_comm, options):
     """A ``nonblocking`` Communicator whose engine has no progress thread, as below
     MPI_THREAD_MULTIPLE (where only the caller's calls move it)."""
     c = Communicator(user_comm, options, open=False)
-    dup = registry.private_comm(user_comm, "nonblocking", options.timeout)
-    registry.engine_for(dup, "nonblocking", "nonblocking", progress_thread=False)
+    tag = c._stream_tag()
+    dup = registry.private_comm(user_comm, tag, options.timeout)
+    registry.engine_for(dup, "nonblocking", tag, progress_thread=False, window=c.window)
     c.open()
     assert c._engine.thread is None
     return c
@@ -213,9 +214,10 @@ def test_streams_interleaved_per_rank(comm, trial, unattended):
                 streams.append(_unattended(d, opts))
             elif unattended:  # the negotiated stream of the same dup, also thread-less
                 c = Communicator(d, opts, open=False)
-                dup = registry.private_comm(d, "nonblocking/negotiated", opts.timeout)
-                registry.engine_for(dup, "nonblocking", "nonblocking/negotiated",
-                                    progress_thread=False)
+                tag = c._stream_tag()
+                dup = registry.private_comm(d, tag, opts.timeout)
+                registry.engine_for(dup, "nonblocking", tag, progress_thread=False,
+                                    window=c.window)
                 c.open()
                 streams.append(c)
             else:

@@ -6,11 +6,14 @@ import threading
 import numpy as np
 import pytest
 
-from mpifusion.comm.communicator import INLINE_MAX_BYTES, Communicator
+from mpifusion.comm import tuning
+from mpifusion.comm.communicator import Communicator
 from mpifusion.config import CommOptions
 from mpifusion.errors import CommTimeoutError
 
 pytestmark = pytest.mark.mpi
+
+INLINE_MAX_BYTES = tuning.current().inline_max_bytes
 
 
 def _runners(c):
@@ -153,7 +156,7 @@ def test_shm_collectives_up_to_a_mebibyte_may_run_on_the_waiting_caller(comm, ti
     is left for a waiting caller to run, polled under a deadline; one above it goes to the
     comm thread; one that a rank starts and then leaves for a barrier that the others reach
     first is finished by its thread. Every result is the exact sum, on every rank."""
-    from mpifusion.comm.communicator import SHM_INLINE_MAX_BYTES
+    SHM_INLINE_MAX_BYTES = tuning.current().shm_inline_max_bytes
 
     n, rank = comm.Get_size(), comm.Get_rank()
     c = Communicator(comm, CommOptions(strategy="shm", timeout=timeout))

@@ -13,7 +13,7 @@ from mpifusion.arrays import staging
 from mpifusion.comm import poll as pollmod
 from mpifusion.comm.engines import NonBlockingEngine
 from mpifusion.comm.call import FENCE, Call, pipelined
-from mpifusion.comm.record import Collective
+from mpifusion.comm.record import Collective, Plan
 from mpifusion.comm.task import CommTask
 from mpifusion.config import MAX_WINDOW, WINDOW_ENV, CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
@@ -130,8 +130,10 @@ def _steps(count, landed, fence_at=None):
 
 
 def _task(engine, steps, window):
-    """A collective's record, as the engine runs it (submit it to start it)."""
-    return Collective(steps, name="t", window=window)
+    """A collective's record, as the engine runs it (submit it to start it), on a stream
+    whose window is ``window``."""
+    engine.window = window
+    return Collective(Plan(name="t"), lambda seq: steps)
 
 
 def _handle(engine, task):

@@ -105,7 +105,7 @@ def test_staging_pipeline_through_the_engine(strategy, window, dtype):
             buf = values(rank, numel, dtype)
             steps = allreduce_steps(buf, 1.0 / size, 16, None, rank, window=window,
                                     device=FakeDevice(lazy))
-            task = comm._start(steps, (buf,), "staged allreduce",
+            task = comm._start(lambda seq: steps, (buf,), "staged allreduce",
                                (order_mod.ALLREDUCE, numel, order_mod.dtype_code(buf.dtype), -1,
                                 -1, -1))
             task.wait(timeout=60)
@@ -132,7 +132,7 @@ def test_staged_reduce_scatter_through_the_engine(strategy, window, dtype):
                 recv = send[rank * shard:(rank + 1) * shard] if inplace else np.empty(shard, dtype)
                 steps = reduce_scatter_steps(send, recv, 0.5, 16, size, rank, window=window,
                                              device=FakeDevice(lazy))
-                task = comm._start(steps, (send, recv), "staged reduce_scatter",
+                task = comm._start(lambda seq: steps, (send, recv), "staged reduce_scatter",
                                    (order_mod.REDUCE_SCATTER, numel,
                                     order_mod.dtype_code(send.dtype), -1, -1, -1))
                 task.wait(timeout=60)
@@ -164,7 +164,7 @@ def test_allgather_staged_and_whole(strategy, window, dtype):
             else:
                 steps = allgather_steps(buf, 16, size, rank, window=window,
                                         device=FakeDevice(how == "lazy"))
-                task = comm._start(steps, (buf,), "staged allgather",
+                task = comm._start(lambda seq: steps, (buf,), "staged allgather",
                                    (order_mod.ALLGATHER, numel, order_mod.dtype_code(buf.dtype),
                                     -1, -1, -1))
             task.wait(timeout=60)

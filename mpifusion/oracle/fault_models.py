@@ -37,22 +37,31 @@ _UNDERFLOW = {"float16": 2.0 ** -25, "bfloat16": 2.0 ** -134}
 
 @dataclass
 class Diagnosis:
-    """What most likely went wrong with one failing param: ``kind`` (one of :data:`KINDS`),
-    ``text`` (one line, with the usual cause), ``ranks`` (the ranks whose output is wrong)
-    and the fields of the kind (:data:`FIELDS`; ``with_`` is JSON ``with``)."""
+    """What most likely went wrong with one failing param: ``kind`` (one of
+    :data:`~mpifusion.oracle.fault_models.KINDS`), ``text`` (one line, with the usual cause),
+    ``ranks`` (the ranks whose output is wrong) and the fields of the kind
+    (:data:`~mpifusion.oracle.fault_models.FIELDS`; ``with_`` is JSON ``with``)."""
 
     kind: str
     text: str
     ranks: list
+    #: for ``scale`` and ``local_only``, the factor the output is off by (2.0 for a sum
+    #: taken as the mean of two ranks)
     factor: Optional[float] = None
+    #: for ``missing`` and ``duplicate``, the ranks whose contribution is lost or counted twice
     from_ranks: Optional[list] = None
+    #: for ``missing`` and ``duplicate``, the micro-steps concerned
     steps: Optional[list] = None
+    #: for ``shift``, by how many elements the result is displaced
     offset: Optional[int] = None
+    #: for ``swap``, the param whose reduction the output holds
     with_: Optional[str] = None
+    #: for ``precision``, the narrower dtype the reduction was done in
     dtype: Optional[str] = None
 
     def to_json(self) -> dict:
-        """``{"kind", "text", "ranks"}`` plus the kind's fields (:data:`FIELDS`)."""
+        """``{"kind", "text", "ranks"}`` plus the kind's fields
+        (:data:`~mpifusion.oracle.fault_models.FIELDS`)."""
         doc: Dict[str, Any] = {"kind": self.kind, "text": self.text,
                                "ranks": [int(r) for r in self.ranks]}
         for name in FIELDS.get(self.kind, ()):
@@ -62,7 +71,11 @@ class Diagnosis:
 
     @classmethod
     def from_json(cls, doc: dict) -> "Diagnosis":
-        """The inverse of :meth:`to_json` (for tools reading a saved report)."""
+        """The inverse of :meth:`to_json` (for tools reading a saved report).
+
+        Args:
+            doc: a dict :meth:`to_json` made (JSON-loaded).
+        """
         extra = {("with_" if k == "with" else k): doc[k]
                  for k in FIELDS.get(doc["kind"], ()) if k in doc}
         return cls(doc["kind"], doc["text"], list(doc["ranks"]), **extra)
@@ -115,17 +128,23 @@ class ParamCase:
     computed on demand: a check streams params and keeps one reference at a time)."""
 
     name: str
+    #: the dtype the grads are summed in
     grad_dtype: str
+    #: ranks of the sync
     nranks: int
+    #: micro-steps per step
     acc_steps: int
     act: str
+    #: whether the result is the mean over ranks
     average: bool
     inputs: list
     outputs: dict
     failing: list
     reference: np.ndarray
     bound: np.ndarray
+    #: the root of ``reduce``
     dst: int = 0
+    #: the mean was taken in the collective (non-root ranks of ``reduce`` keep their sum)
     reduce_avg: bool = False
     layout: Any = None
     others: dict = field(default_factory=dict)
@@ -133,11 +152,13 @@ class ParamCase:
 
     @property
     def n(self) -> int:
-        """Contributions: one per rank and micro-step (index ``rank * acc_steps + k``)."""
+        """The number of contributions, one per rank and micro-step (index
+        ``rank * acc_steps + k``)."""
         return self.nranks * self.acc_steps
 
     @property
     def numel(self) -> int:
+        """Elements of the param."""
         return int(self.reference.size)
 
 
