@@ -10,14 +10,17 @@ after each run, so an interrupted sweep keeps them:
 
     python benchmarks/bench_cluster.py [--nodes 2,3,4] [--rates 1gbit,10gbit]
         [--sizes 4K,16K,64K,1M,4M,16M,64M,preset] [--mpi mpich] [--iters 3]
-    python benchmarks/bench_cluster.py --render benchmarks/bench_cluster_mpich.json
+    python benchmarks/bench_cluster.py --render benchmarks/results/bench_cluster_mpich.json
 
-writes ``benchmarks/bench_cluster_<mpi>.{txt,json,png}``. The floor is ``2(N-1)/N x bytes /
-rate`` with the rate of a 64 MiB ``Sendrecv`` between two nodes (both ways at once); the
-emulated nodes share this machine's cores (the 10 Gbit/s links are bound by the CPU, not by
-tbf: the measured rate is what the floor takes). The targets are printed beside the figures;
-they do not set the exit code (0 after a sweep, 1 when a run failed, 2 for bad arguments, 3
-where the cluster cannot run here: not root, no ``ip netns``). Needs root.
+writes ``benchmarks/results/bench_cluster_<mpi>_<UTC time>.{txt,json,png}`` and records them
+in that folder's index.json (benchmarks/record.py; ``--out PREFIX``: there instead,
+unrecorded; ``--render`` rewrites the table and plot beside the JSON it reads). The floor
+is ``2(N-1)/N x bytes / rate`` with the rate of a 64 MiB ``Sendrecv`` between two nodes
+(both ways at once); the emulated nodes share this machine's cores (the 10 Gbit/s links are
+bound by the CPU, not by tbf: the measured rate is what the floor takes). The targets are
+printed beside the figures; they do not set the exit code (0 after a sweep, 1 when a run
+failed, 2 for bad arguments, 3 where the cluster cannot run here: not root, no ``ip
+netns``). Needs root.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ from mpifusion import machine
 from mpifusion.tools.bench.cluster import (DEFAULT_SIZES, FASTER_FROM, FLOOR_FROM,
                                            FLOOR_TARGET, SMALL_RANGE, cluster_checks,
                                            parse_sizes)
+
+import record  # benchmarks/record.py: results go to benchmarks/results/
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(REPO, "scripts", "cluster.sh")
@@ -179,7 +184,8 @@ def row_targets(r: Dict[str, Any]) -> str:
 
 def table(runs: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
     """The markdown table of every run, with the targets beside the figures."""
-    lines = [f"# mpifusion bench --only cluster on emulated clusters (scripts/cluster.sh), "
+    head = [record.header(meta["record"])] if meta.get("record") else []
+    lines = head + [f"# mpifusion bench --only cluster on emulated clusters (scripts/cluster.sh), "
              f"{meta['mpi']}; {meta['cpu']}, {meta['cpus']} CPUs shared by every node "
              f"({meta['machine']}); {meta['iters']} rounds after 1",
              "# floor = 2(N-1)/N x bytes per rank / link rate (64 MiB Sendrecv between two "
@@ -303,19 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=int, default=0,
                     help="seconds per bench run (0: from the sizes and the rate)")
     ap.add_argument("--out", default=None,
-                    help="prefix of .txt/.json/.png (default benchmarks/bench_cluster_<mpi>)")
+                    help="prefix of .txt/.json/.png, not recorded (default: a new name in "
+                    "--results, recorded)")
     ap.add_argument("--render", default=None, metavar="JSON",
-                    help="only print and write the table and plot of a previous sweep")
+                    help="only print and write the table and plot of a previous sweep "
+                    "(beside JSON, or at --out)")
+    record.add_arguments(ap)
     return ap
 
 
 def main() -> int:
     args = build_parser().parse_args()
-    prefix = args.out or os.path.join(REPO, "benchmarks", f"bench_cluster_{args.mpi}")
     if args.render:
         with open(args.render) as fh:
             saved = json.load(fh)
-        write(prefix, saved["runs"], saved["meta"])
+        write(args.out or os.path.splitext(args.render)[0], saved["runs"], saved["meta"])
         print(table(saved["runs"], saved["meta"]))
         return 0
     try:
@@ -344,7 +352,25 @@ def main() -> int:
             "python": platform.python_version(), "iters": args.iters, "sizes": args.sizes,
             "nodes": args.nodes, "rates": rates, "ranks_per_node": args.ranks_per_node,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    entry: Optional[Dict[str, Any]] = None
+    if args.out:
+        prefix = args.out
+    elif args.no_record:
+        prefix = os.path.join(tempfile.mkdtemp(prefix="bench_cluster_"), "bench_cluster")
+    else:
+        prefix, entry = record.start(
+            args, "bench_cluster", "cluster", "mpifusion bench --only cluster on emulated "
+            f"clusters of {args.nodes} nodes x {args.ranks_per_node} ranks, links {rates}",
+            {"mpi": [meta["mpi"]], "default_strategy": "hierarchical", "setting": "cluster"})
+        meta["record"] = record.provenance(entry)
     runs: List[Dict[str, Any]] = []
+
+    def recorded() -> None:
+        if entry is not None and runs:
+            autos = {r["cluster"]["meta"].get("auto_strategy") for r in runs if r.get("cluster")}
+            if len(autos) == 1 and None not in autos:
+                entry["default_strategy"] = autos.pop()
+            record.finish(args, prefix, entry, [".txt", ".json", ".png"])
 
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -362,9 +388,11 @@ def main() -> int:
               file=sys.stderr)
         cluster_sh("stop", args.name)
         write(prefix, runs, meta)
+        recorded()
         return 130
     print(table(runs, meta))
     print(f"wrote {prefix}.txt, {prefix}.json, {prefix}.png")
+    recorded()
     return 1 if failed else 0
 
 

@@ -17,6 +17,8 @@ from mpi4py import MPI
 from mpifusion.comm.communicator import Communicator
 from mpifusion.config import CommOptions
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 CASES = [  # (label, elements, segment bytes, collectives per timing)
     ("16 MiB fp32, 1 MiB segments", 1 << 22, 1 << 20, 1),
     ("128 KiB fp32, 64 B segments (2048 calls)", 1 << 15, 64, 1),
@@ -28,7 +30,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=5)
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_deadline", "deadline",
+                         "each strategy's all-reduce without and with a 60 s deadline",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
     strategies = ["nonblocking"]

@@ -37,6 +37,8 @@ from mpifusion.tools.bench.workload import (auto_strategy, build_buffers, defaul
                                             full_step, grad_bytes, make_params)
 from mpifusion.tools.timing import best_per_round, mpi_name, timeit_many
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 MiB = 1 << 20
 SEGMENTS = (2 * MiB, 4 * MiB, 8 * MiB)
 
@@ -73,7 +75,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--actions", default="ALL_REDUCE,REDUCE,REDUCE_SCATTER")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_floors", "floors",
+                         "each action's default step against raw MPI floors doing the same 1/n",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     targets = {"ALL_REDUCE": 1.10, "REDUCE": 1.15, "REDUCE_SCATTER": 1.15}

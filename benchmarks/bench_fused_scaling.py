@@ -20,12 +20,23 @@ from mpifusion.arrays import backend
 from mpifusion.comm.communicator import Communicator
 from mpifusion.config import CommOptions
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=11)
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_fused_scaling", "fused-scaling",
+                         "1/n fused into REDUCE / REDUCE_SCATTER against a separate pass",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     world = MPI.COMM_WORLD
     n, rank = world.Get_size(), world.Get_rank()
     comm = Communicator(world, CommOptions(strategy="thread"))

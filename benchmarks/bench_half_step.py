@@ -20,6 +20,8 @@ from mpifusion.runtime.buffer import HookAction
 from mpifusion.tools.bench.workload import auto_strategy, build_buffers, full_step, make_params
 from mpifusion.tools.timing import timeit_many
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,7 +33,16 @@ def main() -> None:
     ap.add_argument("--no-numpy", action="store_true", help="skip the plain-cast rows")
     ap.add_argument("--strategy", default=None, help="default: $MPIFUSION_COMM_STRATEGY, "
                     "else what a default buffer takes here")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_half_step", "half-step",
+                         "ALL_REDUCE step in fp32, bf16 and fp16 (halfcast and reference casts)",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     act = HookAction[args.act]

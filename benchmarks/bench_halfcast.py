@@ -19,6 +19,8 @@ from mpifusion.arrays import halfcast
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.machine import cpu_model
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 
 def _time(fn: Callable[[], object], repeat: int) -> float:
     fn()
@@ -37,7 +39,14 @@ def main() -> None:
                     help="elements per segment (default 2M: an 8 MiB fp32 segment)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeat", type=int, default=20)
+    record.add_arguments(ap)
     args = ap.parse_args()
+    with record.recorded(args, "bench_halfcast", "halfcast",
+                         "half-precision casts of one segment against a memcpy (no MPI)"):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     n = args.elements
     rng = np.random.default_rng(0)
     f32 = (rng.standard_normal(n) * 100).astype(float32)

@@ -32,6 +32,8 @@ import numpy as np
 from mpifusion.machine import cpu_model
 from mpifusion.spec import Spec
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r"""
@@ -124,8 +126,19 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the dumps")
     ap.add_argument("--dumps", default=None, help="reuse the rank{r}.npz of an earlier --keep "
                                                   "run (the same --ranks and --preset)")
-    ap.add_argument("--json", default=None, help="also write every run as JSON here")
+    ap.add_argument("--json", default=None, help="also write every run as JSON here "
+                    "(default: beside the recorded .txt in --results)")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    with record.recorded(args, "bench_oracle_check", "oracle-check",
+                         "mpifusion check of every rank's dumps: exact reference against "
+                         "float64 and a plain read (no MPI)", extra=(".json",)) as prefix:
+        if prefix and not args.json:
+            args.json = prefix + ".json"
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
 
     spec = Spec.from_preset(args.preset, dtype="float32", act="all_reduce",
                             nranks=args.ranks, acc_steps=1, average=True)

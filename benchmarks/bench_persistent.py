@@ -13,13 +13,25 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kib", default="4,16,64")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_persistent", "persistent",
+                         "in-place fp32 all-reduce: Allreduce, Iallreduce + Wait, "
+                         "persistent Start + Wait",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD.Dup()
     if comm.Get_rank() == 0:
         print(f"# {MPI.get_vendor()[0]}, {comm.Get_size()} ranks, us per all-reduce")

@@ -22,6 +22,8 @@ from mpifusion.tools.bench.baselines import segmented_allreduce
 from mpifusion.tools.bench.workload import full_step, grad_bytes, make_params
 from mpifusion.tools.timing import best_per_round, timeit_many
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 MiB = 1 << 20
 
 
@@ -31,7 +33,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--segments-mb", default="1,2,4,8,16")
     ap.add_argument("--raw-mb", default="2,4,8", help="segment sizes of the raw candidates")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_segments", "segment-size",
+                         "the ALL_REDUCE step per segment size against the best raw way",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     segs = [int(float(s) * MiB) for s in args.segments_mb.split(",")]

@@ -14,11 +14,13 @@ the library's one in-place call (no 1/n), the raw point for the model's MPI fit.
 Small sizes repeat the step inside one timed run (``reps``) so the barrier's cost drops out.
 
     mpiexec -n 2 python benchmarks/bench_shm_scaling.py [--max-mib 1024] [--rounds 3]
-    python benchmarks/bench_shm_scaling.py --plot benchmarks/bench_shm_scaling_*.json
+    python benchmarks/bench_shm_scaling.py --plot 'benchmarks/results/bench_shm_scaling_*.json'
 
-Rank 0 prints a markdown table and saves ``--out``.json/.txt (default
-``benchmarks/bench_shm_scaling_<mpi>_n<N>``) with the machine, the MPI and the load average.
-More ranks than cores is oversubscribed: the table says so.
+Rank 0 prints a markdown table and records it as .txt and .json, with the machine, the MPI
+and the load average, in ``benchmarks/results/`` under a new name
+(``bench_shm_scaling_<mpi>_n<N>_<UTC time>``, an entry in its index.json:
+benchmarks/record.py); ``--out PREFIX`` writes PREFIX.json/.txt instead, unrecorded. More
+ranks than cores is oversubscribed: the table says so.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ from mpifusion.runtime.buffer import FusedCommBuffer, HookAction
 from mpifusion.runtime.param import Param
 from mpifusion.tools.bench.workload import full_step
 from mpifusion.tools.timing import mpi_name, round_ratio, timeit_many
+
+import record  # benchmarks/record.py: results go to benchmarks/results/
 
 KiB, MiB = 1 << 10, 1 << 20
 #: the strategies measured (those of this mpifusion; hierarchical once it exists)
@@ -208,13 +212,22 @@ def main() -> None:
                     help="smallest buffer (e.g. 1024 with --max-mib 1024: only 1 GiB)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--strategies", default=",".join(s for s in WANTED if s in STRATEGIES))
-    ap.add_argument("--out", default=None, help="results prefix (.json and .txt)")
+    ap.add_argument("--out", default=None, help="results prefix (.json and .txt; not "
+                    "recorded; default: a new name in --results)")
     ap.add_argument("--plot", nargs="*", default=None, metavar="JSON",
                     help="no measuring: plot these results files into --png")
-    ap.add_argument("--png", default="benchmarks/bench_shm_scaling.png")
+    ap.add_argument("--png", default=None, help="the plot (default: a new name in --results, "
+                    "recorded)")
+    record.add_arguments(ap)
     args = ap.parse_args()
     if args.plot is not None:
-        plot([p for pat in args.plot for p in glob.glob(pat)], args.png)
+        paths = [p for pat in args.plot for p in glob.glob(pat)]
+        if args.png:
+            plot(paths, args.png)
+        else:
+            record.save(args, "bench_shm_scaling_plot", "shm-scaling",
+                        "plot of " + ", ".join(os.path.basename(p) for p in sorted(paths)),
+                        writers={".png": lambda png: plot(paths, png)})
         return
     if args.rounds < 1:
         raise SystemExit("--rounds: expected an int >= 1")
@@ -229,8 +242,7 @@ def main() -> None:
         skipped += [f"{s}: needs MPI_THREAD_MULTIPLE" for s in strategies if s != "nonblocking"]
         strategies = [s for s in strategies if s == "nonblocking"]
     mpi = mpi_name()
-    tag = "mpich" if "MPICH" in mpi else "openmpi" if "Open MPI" in mpi else "mpi"
-    out = args.out or f"benchmarks/bench_shm_scaling_{tag}_n{n}"
+    info = record.job(world)
     meta = {"nranks": n, "mpi": mpi, "cpu": machine.cpu_model(), "cpus": os.cpu_count(),
             "machine": machine.machine_key(), "python": platform.python_version(),
             "oversubscribed": n > (os.cpu_count() or n), "rounds": args.rounds,
@@ -258,11 +270,16 @@ def main() -> None:
     if rank == 0:
         text = table(res)
         print(text)
-        with open(out + ".json", "w") as fh:
-            json.dump(res, fh, indent=1)
-        with open(out + ".txt", "w") as fh:
-            fh.write(text + "\n")
-        print(f"wrote {out}.json, {out}.txt", file=sys.stderr)
+        if args.out:
+            with open(args.out + ".json", "w") as fh:
+                json.dump(res, fh, indent=1)
+            with open(args.out + ".txt", "w") as fh:
+                fh.write(text + "\n")
+            print(f"wrote {args.out}.json, {args.out}.txt", file=sys.stderr)
+        else:
+            record.save(args, "bench_shm_scaling", "shm-scaling",
+                        f"one fused buffer's ALL_REDUCE step per strategy, {n} ranks, x memcpy",
+                        job_info=info, text=text, data=res)
 
 
 if __name__ == "__main__":

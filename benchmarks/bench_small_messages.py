@@ -17,13 +17,25 @@ from mpi4py import MPI
 from mpifusion.comm.communicator import Communicator
 from mpifusion.config import CommOptions
 
+import record  # benchmarks/record.py: results go to benchmarks/results/
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kib", default="4,16,64,256")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    with record.recorded(args, "bench_small_messages", "small-messages",
+                         "small all-reduces: raw Allreduce, thread, nonblocking, thread "
+                         "without the order check",
+                         rank=comm.Get_rank(), job_info=record.job(comm)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
     thread = Communicator(comm, CommOptions(strategy="thread"))

@@ -110,11 +110,15 @@ import glob
 import json
 import math
 import os
+import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from mpifusion import machine
+
+#: where the runs are fitted from and the model's files go (benchmarks/record.py)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 MiB = 1 << 20
 GPT2_SMALL_BYTES = 497.8e6   # GPT-2-small's fp32 grads in fused buffers (BENCHMARKS.md)
@@ -150,10 +154,20 @@ def fit(rows: List[dict], key: str) -> Tuple[float, float]:
     return max(0.0, float(alpha)), max(0.0, float(beta))
 
 
-def load_fits(folder: str, mpi: str) -> Dict[int, Dict[str, Tuple[float, float]]]:
-    """{ranks: {candidate: (alpha, beta)}} from ``bench_shm_scaling_<mpi>_n*.json``."""
-    out: Dict[int, Dict[str, Tuple[float, float]]] = {}
+def fitted_files(folder: str, mpi: str) -> List[str]:
+    """The latest ``bench_shm_scaling_<mpi>_n<N>*.json`` of each rank count N."""
+    latest_of: Dict[str, str] = {}
     for path in sorted(glob.glob(os.path.join(folder, f"bench_shm_scaling_{mpi}_n*.json"))):
+        ranks = os.path.basename(path)[len(f"bench_shm_scaling_{mpi}_n"):].split("_")[0]
+        latest_of[ranks.split(".")[0]] = path
+    return list(latest_of.values())
+
+
+def load_fits(folder: str, mpi: str) -> Dict[int, Dict[str, Tuple[float, float]]]:
+    """{ranks: {candidate: (alpha, beta)}} from the latest ``bench_shm_scaling_<mpi>_n*.json``
+    of each rank count."""
+    out: Dict[int, Dict[str, Tuple[float, float]]] = {}
+    for path in fitted_files(folder, mpi):
         with open(path) as fh:
             res = json.load(fh)
         n = res["meta"]["nranks"]
@@ -590,22 +604,23 @@ def validation_lines(runs: List[Dict[str, Any]], form: str, gamma: float, source
     return lines, out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--folder", default="benchmarks")
+    ap.add_argument("--folder", default=RESULTS, help="where the runs to fit are (the latest "
+                    "bench_shm_scaling_<mpi>_n<N>*.json per rank count)")
     ap.add_argument("--mpi", default="mpich", help="which runs to fit: mpich or openmpi")
     ap.add_argument("--alpha-net", type=float, default=2e-6,
                     help="inter-node latency per message, s (100 Gb/s InfiniBand: ~2 us)")
     ap.add_argument("--gbps-net", type=float, default=12.5,
                     help="inter-node bandwidth per node, GB/s (100 Gb/s = 12.5 GB/s)")
-    ap.add_argument("--out", default=None, help="prefix of .txt/.json/.png "
-                    "(default: benchmarks/model_hierarchical_<mpi>)")
+    ap.add_argument("--out", default=None, help="prefix of .txt/.json/.png, not recorded "
+                    "(default: a new name in --results, recorded: benchmarks/record.py)")
     ap.add_argument("--validate", action="store_true",
                     help="first predict the emulated-cluster runs (bench_cluster_<mpi>.json) "
                     "and compare with what they measured")
     ap.add_argument("--cluster-json", default=None,
-                    help="the runs to validate against (default: FOLDER/bench_cluster_<mpi>"
-                    ".json)")
+                    help="the runs to validate against (default: the latest "
+                    "FOLDER/bench_cluster_<mpi>*.json)")
     ap.add_argument("--form", default=None, choices=FORMS,
                     help="shared-cpu (the validation's default): max(link, the shared cores' "
                     "work) -- the emulated nodes share one machine's cores; sequential (the "
@@ -614,7 +629,18 @@ def main() -> None:
                     "overlapped from 256 KiB (CommOptions(pipeline=True)); overlapped: at "
                     "every size. The table never takes shared-cpu: real nodes do not share "
                     "cores")
-    args = ap.parse_args()
+    return ap
+
+
+def latest(folder: str, pattern: str) -> Optional[str]:
+    """The newest of ``folder/pattern`` by name (recorded names end in their UTC time, and
+    sort after an older, untimed name of the same run)."""
+    found = sorted(glob.glob(os.path.join(folder, pattern)))
+    return found[-1] if found else None
+
+
+def model(args: argparse.Namespace, out: str) -> None:
+    """Fit, predict, print, and write ``out``.txt/.json/.png."""
     if args.alpha_net < 0 or args.gbps_net <= 0:
         raise SystemExit("--alpha-net: expected >= 0; --gbps-net: expected > 0")
     fits = load_fits(args.folder, args.mpi)
@@ -633,7 +659,8 @@ def main() -> None:
     # the InfiniBand table: real nodes, each with its own cores -- never the shared-cpu form
     table_form = args.form if args.form not in (None, "shared-cpu") else "sequential"
     if args.validate:
-        path = args.cluster_json or os.path.join(args.folder, f"bench_cluster_{args.mpi}.json")
+        path = args.cluster_json or latest(args.folder, f"bench_cluster_{args.mpi}*.json") \
+            or os.path.join(args.folder, f"bench_cluster_{args.mpi}.json")
         if not os.path.exists(path):
             raise SystemExit(f"--validate: no {path} (run benchmarks/bench_cluster.py first)")
         with open(path) as fh:
@@ -643,9 +670,10 @@ def main() -> None:
         vlines, check = validation_lines(stored["runs"], args.form or "shared-cpu", gamma,
                                          os.path.basename(path), cores)
         lines += vlines + [""]
+    fitted = ", ".join(sorted(os.path.basename(p) for p in fitted_files(args.folder, args.mpi)))
     lines += ["# MODEL, NOT A MEASUREMENT: hierarchical (node shm + inter-node rings of 1/8 "
              "slices) against a flat ring allreduce, 8 ranks per node",
-             f"# on-node costs fitted from benchmarks/bench_shm_scaling_{args.mpi}_n*.json "
+             f"# on-node costs fitted from {fitted} "
              f"({machine.cpu_model()}, a shared loaded 2-core VM); network: parameters "
              f"alpha {args.alpha_net * 1e6:g} us, {args.gbps_net:g} GB/s "
              f"(typical 100 Gb/s InfiniBand); form {table_form} (nodes with cores of their "
@@ -683,7 +711,6 @@ def main() -> None:
                  f"gamma = 1.5 x memcpy = {1 / gamma / 1e9:.2f} GB/s")
     text = "\n".join(lines)
     print(text)
-    out = args.out or os.path.join(args.folder, f"model_hierarchical_{args.mpi}")
     with open(out + ".txt", "w") as fh:
         fh.write(text + "\n")
     with open(out + ".json", "w") as fh:
@@ -748,6 +775,33 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(out + ".png", dpi=100)
     print(f"wrote {out}.txt, {out}.json, {out}.png")
+
+
+def main() -> None:
+    import record  # benchmarks/record.py (imported here: the tests load this module alone)
+
+    ap = build_parser()
+    record.add_arguments(ap)
+    args = ap.parse_args()
+    if args.out or args.no_record:
+        model(args, args.out or os.path.join(tempfile.mkdtemp(), "model_hierarchical"))
+        return
+    mpis = sorted({json.load(open(p))["meta"]["mpi"]
+                   for p in fitted_files(args.folder, args.mpi)})
+    prefix, entry = record.start(
+        args, "model_hierarchical", "hierarchical-model", "MODEL, not a measurement: "
+        f"hierarchical against a flat ring on 2-64 nodes, fitted to the {args.mpi} scaling runs"
+        + (", validated on the emulated-cluster runs" if args.validate else ""),
+        {"mpi": mpis})
+    exts = [".txt", ".json", ".png"]
+    try:
+        model(args, prefix)
+    except BaseException:
+        for ext in exts:
+            if os.path.exists(prefix + ext):
+                os.remove(prefix + ext)
+        raise
+    record.finish(args, prefix, entry, exts)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import platform
 import resource
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -21,6 +22,7 @@ from mpi4py import MPI
 from ...comm import Communicator
 from ...comm.communicator import allreduce_way
 from ...config import DEFAULT_WINDOW, CommOptions
+from ...machine import cpu_model
 from ...plan.actions import HookAction
 from ...runtime.buffer import FusedCommBuffer
 from ...runtime.param import Param
@@ -95,7 +97,8 @@ def measure_meta(b: Bench) -> None:
         "param_bytes": int(sum(p.data.nbytes for p in params)), "nranks": b.n,
         "mpi": mpi_name(), "mpi4py": mpi4py.__version__,
         "numpy": np.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "thread_level": MPI.Query_thread(), "default_strategy": b.auto,
         "default_segment_bytes": default_segment(b.comm), "group_bytes": b.s.group_bytes,
         "iters": b.s.iters, "warmup": b.s.warmup,
