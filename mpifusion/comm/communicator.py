@@ -130,7 +130,7 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
         return "shm", f"auto: all {size} ranks share one node"
     if per_node <= 1:
         return "thread", "auto: one rank per node"
-    low = tuning.current().auto_hierarchical_min_bytes
+    low = tuning.ACTIVE.auto_hierarchical_min_bytes
     if nbytes is not None and nbytes < low:
         return "thread", (f"auto: {size // per_node} nodes of {per_node} ranks, a buffer of "
                           f"{nbytes} bytes (below {low >> 10} KiB "
@@ -219,6 +219,7 @@ class Communicator:
         #: why ``shm`` was asked for and ``thread`` runs (None where it runs, or was not asked for)
         self.shm_fallback: Optional[str] = None
         self._node_probe = node_probe
+        self._checked_mpi = self._checked_shm = False  # behind the order check (``open``)
         self._memory: Optional[NodeMemory] = None   # shm: the node's windows
         self._shm: Optional[ShmStream] = None       # shm: this stream's rows and scratch
         if open:
@@ -253,7 +254,7 @@ class Communicator:
                 ("window", str(self.window)), ("allreduce", self.allreduce_way),
                 ("node_size", str(self.options.node_size)),
                 ("pipeline", str(self.options.pipeline)),
-                ("tuning", tuning.current().changed() or "the defaults"),
+                ("tuning", tuning.ACTIVE.changed() or "the defaults"),
                 ("timeout set", str(self.timeout is not None)),
                 ("order", self.order), ("verify_order", str(self.verify)),
                 ("check_agreement", str(self.options.check_agreement)),
@@ -302,6 +303,17 @@ class Communicator:
             engine.negotiator = Negotiator(engine)
         self._engine = engine
         self._negotiator = engine.negotiator
+        # which collectives run behind the order check, decided once. MPI's own collectives
+        # get it whatever ``verify_order`` says: it is what compares the step serial, so a
+        # rank that dropped a step can never pair with its peers' pending collective (run
+        # alongside the data instead, it measured slower than before it: BENCHMARKS.md,
+        # "Order safety"). One node's shared-window rows compare the step themselves;
+        # across nodes the check runs too (a node whose rows disagreed skips the cross-node
+        # calls)
+        many = self.size > 1
+        self._checked_mpi = many
+        self._checked_shm = many and (self.verify or (self._shm is not None
+                                                      and self._shm.cross is not None))
 
     def _stream_tag(self) -> str:
         """The stream this communicator's collectives run on. Verified and unverified
@@ -492,7 +504,7 @@ class Communicator:
         if negotiator is None and isinstance(engine, ThreadEngine):
             if nbytes is None:
                 nbytes = sum([a.nbytes for a in keep])
-            limits = tuning.current()
+            limits = tuning.ACTIVE
             inline = nbytes <= (limits.shm_inline_max_bytes if way == SHM_WAY
                                 else limits.inline_max_bytes)
             # the same on every rank: size and "timeout set" are agreed
@@ -500,7 +512,7 @@ class Communicator:
         # negotiated: the rounds agree on a slot, not on what each rank started in it: two
         # collectives of one Communicator started in different orders would pair silently;
         # checked as in the strict order, inside the round
-        checked = self.size > 1 and self._needs_check(way)
+        checked = self._checked_shm if way == SHM_WAY else self._checked_mpi
         comm, words = self.comm, engine.check_words
 
         def steps_at(seq: int) -> Steps:
@@ -521,17 +533,6 @@ class Communicator:
         else:
             engine.submit(op)
         return task
-
-    def _needs_check(self, way: int) -> bool:
-        """Whether a collective moving data ``way`` runs behind the order check. MPI's own
-        collectives get it whatever ``verify_order`` says: it is what compares the step
-        serial, so a rank that dropped a step can never pair with its peers' pending
-        collective (run alongside the data instead, it measured slower than before it:
-        BENCHMARKS.md, "Order safety"). One node's shared-window rows compare the step
-        themselves; across nodes the check runs too (a node whose rows disagreed skips the
-        cross-node calls)."""
-        return bool(self.verify or way != SHM_WAY or (self._shm is not None
-                                                       and self._shm.cross is not None))
 
     # -- reductions: SUM, then ``scale`` (1/n for an average) applied to the result only
     def allreduce(self, buf: Any, scale: Optional[float] = None,
@@ -563,7 +564,7 @@ class Communicator:
                     gather=self.verify, pipeline=self.options.pipeline),
                 (buf,), name, desc, nbytes, prepare, SHM_WAY)
         ring = (self.size if self.allreduce_way == "ring"
-                and nbytes > tuning.current().inline_max_bytes else 0)
+                and nbytes > tuning.ACTIVE.inline_max_bytes else 0)
         return self._start(
             lambda seq: allreduce_steps(buf, scale, seg, root=None, rank=self.rank,
                                         window=self.window, ring=ring),

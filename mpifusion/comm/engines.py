@@ -96,11 +96,13 @@ class Engine:
                              f"buffer to communicate again")
 
     def _stamp(self, task: Collective) -> None:
-        """Give ``task`` its place in the stream, then build its calls with it (the
-        engine's lock is held)."""
+        """Give ``task`` its place in the stream, then build its calls with that serial
+        passed in (the engine's lock is held)."""
         self.check_open()
-        task.start(self.seq)
+        task.seq = seq = self.seq
         self.seq += 1
+        build, task.build = task.build, None
+        task.steps = build(seq) if build is not None else iter(())
 
     def _failed(self, task: Collective, exc: BaseException) -> None:
         """``task`` failed on this rank: keep the first error for :meth:`_finish`, and
@@ -111,16 +113,12 @@ class Engine:
         if task.failure is None:
             task.failure = exc
         if not isinstance(exc, (OrderError, AbandonedError)):
-            self.abandon(f"rank {self.rank}: refused: {task.name or 'a collective'} of this "
+            self.abandon(f"rank {self.rank}: refused: {task.plan.name or 'a collective'} of this "
                          f"communicator failed on this rank after the ranks had agreed to run "
                          f"it ({type(exc).__name__}: {exc}); the other ranks may still be in "
                          f"it, and a later collective would pair with its remaining calls. "
                          f"Save what you need and abort, or build new buffers on a fresh "
                          f"communicator (comm.Split/Dup)")
-
-    def _finish(self, task: Collective) -> None:
-        """``task`` finished on this rank (nothing of it in flight): its record's end."""
-        finish(task, task.failure)
 
     def _refused(self) -> AbandonedError:
         return AbandonedError(f"{self.abandoned} (the stream stopped before this call)")
@@ -300,7 +298,7 @@ class NonBlockingEngine(Engine):
             # reference to a non-blocking call's arrays, and a scratch slot whose only other
             # owner was the finished generator would be freed (and reused) while MPI reads it
             inflight.append((request, call.land, call.args))
-        self._finish(task)
+        finish(task, task.failure)
         return True
 
     def _progress(self) -> None:
@@ -421,7 +419,7 @@ class ThreadEngine(Engine):
     task finished, runs it itself; if nobody waits within ``Tuning.handoff_s`` the thread runs
     it, so a caller that communicates between start and wait (a barrier, a send, another
     buffer) cannot deadlock. Under a deadline such a task's calls are non-blocking
-    (``task.polled``): the caller polls them until its deadline, and if that passes hands the
+    (``task.plan.polled``): the caller polls them until its deadline, and if that passes hands the
     call in flight and the rest of the task to the thread, which finishes them. ``running``
     is held by whoever runs a task's calls, so calls stay in start order on one thread at a
     time.
@@ -509,7 +507,7 @@ class ThreadEngine(Engine):
         The engine's lock is held."""
         now = time.monotonic()
         todo = self.todo
-        limits = tuning.current()
+        limits = tuning.ACTIVE
         if todo:
             head = todo[0]
             left = limits.handoff_s - (now - head.since)
@@ -538,7 +536,7 @@ class ThreadEngine(Engine):
                     if task is None:
                         break
                     self._execute(task)
-                self._finish(task)
+                finish(task, task.failure)
 
     def submit(self, task: Collective) -> None:
         """Start ``task``; one planned ``inline`` (a small collective) is left a moment for
@@ -575,7 +573,7 @@ class ThreadEngine(Engine):
                 self._progress()
                 todo = self.todo
                 # nobody runs it yet, every earlier task finished, the thread runs nothing
-                mine = bool((timeout is None or task.polled) and todo and todo[0] is task
+                mine = bool((timeout is None or task.plan.polled) and todo and todo[0] is task
                             and self.tasks[0] is task and self.running.acquire(blocking=False))
                 task.stealable = False  # run here, or else the thread takes it at once
                 if mine:
@@ -598,7 +596,7 @@ class ThreadEngine(Engine):
                     self.running.release()
                 if not finished:
                     return self.missed(task)
-                self._finish(task)
+                finish(task, task.failure)
                 return True  # finished tasks leave ``tasks`` at the next start or wait
         if not task.done.wait(timeout):
             return self.missed(task)

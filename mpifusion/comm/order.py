@@ -147,20 +147,14 @@ def verified_steps(seq: int, desc: Sequence[int], polled: bool, steps: Steps,
     ``desc`` (kind, count, dtype, root, buffer id, step, communicator key), ``polled``
     whether its calls are non-blocking; ``words`` the engine's ``check_words``. The
     fingerprint covers the form of the calls that follow, so ranks that would issue them
-    differently stop here instead of deadlocking. Computed now, from the values passed."""
+    differently stop here instead of deadlocking. Reads nothing but what it is passed."""
     h = fingerprint((seq, *desc, polled))
-    row = (seq, *desc)
-    return _checked(h, row, steps, comm, words, name)
-
-
-def _checked(h: int, row: Sequence[int], steps: Steps, comm: MPI.Comm, words: Any,
-             name: str) -> Steps:
     # the engine's scratch: its tasks run one at a time, and this is a fence
     words[0] = h
     words[1] = h ^ _MASK
     yield CHECK
     if words[2] ^ _MASK != words[3]:
-        mine = np.array(row, dtype=np.int64)
+        mine = np.array((seq, *desc), dtype=np.int64)
         rows = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
         yield Call("Iallgather", ([mine, MPI.INT64_T], [rows, MPI.INT64_T]), nonblocking=True)
         raise order_error(comm.Get_rank(), rows, name or "collective")
@@ -225,7 +219,7 @@ class Negotiator:
         words = self.WORDS
         send = np.zeros(2 * words + 2, dtype=np.uint64)
         recv = np.empty_like(send)
-        rnd, backoff = 0, Backoff(2e-5, tuning.current().negotiation_max_pause_s)
+        rnd, backoff = 0, Backoff(2e-5, tuning.ACTIVE.negotiation_max_pause_s)
         while True:
             send[:words] = 0
             with self.lock:

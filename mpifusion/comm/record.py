@@ -8,8 +8,12 @@ A record has three parts, each with one writer:
   written by the engine that runs it, from ``submit`` on. The engine stamps the collective
   (its ``seq``, its place in the stream) and only then builds its calls with that serial
   passed in (``build``), so no call generator reads state that is set later;
-- its result (``error``, ``done``): written once, by :func:`finish`, which the engines and
-  the negotiator (for the collectives run inside its rounds) call.
+- its result (``error``, and ``done``, the latch it sets): written once, by :func:`finish`,
+  which the engines and the negotiator (for the collectives run inside its rounds) call.
+
+Plain attributes, not properties, because a small collective reads them on every poll;
+tests/comm/test_record_writers.py holds every writer to its part, in the source and at run
+time.
 
 The caller holds a ``CommTask``, which only reads the record.
 """
@@ -92,7 +96,7 @@ class Collective:
     """One collective as its engine runs it (see the module docstring)."""
 
     __slots__ = ("plan", "build", "steps", "requests", "keep", "seq", "blocked", "stopped",
-                 "failure", "stealable", "since", "late", "_error", "_done", "__weakref__")
+                 "failure", "stealable", "since", "late", "error", "done", "__weakref__")
 
     def __init__(self, plan: Plan, build: Optional[Build], keep: Sequence[Any] = ()) -> None:
         self.plan = plan
@@ -113,48 +117,22 @@ class Collective:
         self.stealable = False      # thread engine: left a moment for its caller to run
         self.since = 0.0            # thread engine: when it was started (monotonic)
         self.late = False           # a wait missed its deadline (CommTask.timed_out)
-        self._error: Optional[BaseException] = None
-        self._done = Latch()
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    @property
-    def rank(self) -> int:
-        return self.plan.rank
-
-    @property
-    def polled(self) -> bool:
-        return self.plan.polled
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        """Why it failed (set by :func:`finish`; None while it runs or once it succeeded)."""
-        return self._error
-
-    @property
-    def done(self) -> Latch:
-        """Set by :func:`finish` once the collective finished, with or without an error."""
-        return self._done
+        #: why it failed (None while it runs or once it succeeded): :func:`finish` sets it
+        self.error: Optional[BaseException] = None
+        #: set by :func:`finish` once the collective finished, with or without an error
+        self.done = Latch()
 
     def finished(self) -> bool:
-        return self._done.flag
-
-    def start(self, seq: int) -> None:
-        """Stamp it with its place in the stream and build its calls (the engine, once)."""
-        self.seq = seq
-        build, self.build = self.build, None
-        self.steps = build(seq) if build is not None else iter(())
+        return self.done.flag
 
 
 def finish(op: Collective, error: Optional[BaseException] = None) -> None:
     """End ``op``: record ``error`` (None: it succeeded), let go of its calls and arrays (MPI
     is done with them), tell ``plan.on_fail`` of a failure and set ``done``. The only writer
     of a record's result; a record finishes once (a later call does nothing)."""
-    if op._done.flag:
+    if op.done.flag:
         return
-    op._error = error
+    op.error = error
     op.steps = None
     op.build = None
     op.requests = collections.deque()
@@ -162,4 +140,4 @@ def finish(op: Collective, error: Optional[BaseException] = None) -> None:
     hook = op.plan.on_fail
     if error is not None and hook is not None:
         hook(error)
-    op._done.set()
+    op.done.set()

@@ -70,6 +70,7 @@ competed for it.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import os
 import secrets
@@ -105,6 +106,31 @@ PUBLISHED_WORD = ROW_WORDS - 1
 SCRATCH_BYTES = 1 << 20
 #: where the scratch starts in a rank's segment of the control window
 SCRATCH_OFFSET = PAGE
+
+
+class Work(enum.Enum):
+    """The named regions of a stream's work memory (:meth:`ShmStream.work`): arrays private
+    to this process, kept and reused from one collective to the next (one task at a time
+    runs on a stream), one per region, ring slot and dtype. A *ring* region has one array
+    per slot of a pipeline (``shm_collectives.PIPE_SLOTS``), so a chunk's array is reused
+    only once its calls landed; the other regions have slot 0 only."""
+
+    #: a chunk's sum over the node's ranks (fp32 for half precision, else the dtype)
+    ACCUMULATOR = "accumulator"
+    #: one half-precision source chunk widened to fp32, added to the accumulator from here
+    WIDE_TMP = "wide tmp"
+    #: ``hierarchical`` all-gather: the bytes of one piece of every node's shard
+    CROSS_BLOCK = "cross block"
+    #: ring, ``hierarchical`` all-reduce and reduce: a chunk's node sum, summed over the
+    #: nodes in place
+    PIPE_ACC = "pipe acc"
+    #: ring, ``hierarchical`` all-reduce: a chunk's block this node sums over the nodes
+    PIPE_PART = "pipe part"
+    #: ring, ``hierarchical`` reduce-scatter: a round's node sums of this rank's shards
+    RS_BLOCK = "rs block"
+    #: ring, ``hierarchical`` reduce-scatter: a round's sum of this rank's shard over the
+    #: nodes, before it is scaled and written
+    RS_OUT = "rs out"
 
 
 _LOCK = threading.Lock()
@@ -272,7 +298,7 @@ class ShmStream:
         self.cross: Optional[MPI.Comm] = None
         self.node, self.nodes = 0, 1
         self.serial = 0
-        self._work: Dict[Tuple[Any, int], np.ndarray] = {}
+        self._work: Dict[Tuple[Any, Work, int], np.ndarray] = {}
         self._rows = [seg[:ROW_WORDS * 8].view(np.int64)[:len(ROW_FIELDS)]
                       for seg in window.segments]
         self._read = np.empty((self.size, len(ROW_FIELDS)), np.int64)
@@ -348,9 +374,10 @@ class ShmStream:
         self._published[self.rank][0] = self.serial
         return self._arrived, sources
 
-    def work(self, slot: int, n: int, dtype: Any) -> np.ndarray:
-        """Accumulator ``slot`` of at least ``n`` elements of ``dtype`` (grown, never shrunk)."""
-        key = (np.dtype(dtype), slot)
+    def work(self, region: Work, n: int, dtype: Any, slot: int = 0) -> np.ndarray:
+        """``n`` elements of ``dtype`` of work region ``region`` (:class:`Work`), ring slot
+        ``slot``: one array per region, slot and dtype, grown, never shrunk."""
+        key = (np.dtype(dtype), region, slot)
         arr = self._work.get(key)
         if arr is None or arr.size < n:
             arr = self._work[key] = np.empty(max(n, 1), dtype=dtype)
@@ -580,6 +607,6 @@ def live_windows() -> int:
         return sum(len(m.windows) for m in _MEMORY.values())
 
 
-__all__ = ["Arena", "Chunk", "NodeMemory", "SharedWindow", "ShmStream", "agree_max",
+__all__ = ["Arena", "Chunk", "NodeMemory", "SharedWindow", "ShmStream", "Work", "agree_max",
            "free_bytes", "live_regions", "live_windows", "memory_for",
            "node_layout", "punch", "ranks_on_node", "refill", "release_memory"]

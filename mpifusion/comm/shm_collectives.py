@@ -34,9 +34,21 @@ are numbered node by node (rank = node * ranks per node + local rank). With
 ``CommOptions.pipeline``, from :data:`PIPE_MIN_BYTES` up the inter-node step is a pipeline
 (:class:`_CrossPipe`): chunk k moves between the nodes while the node sums chunk k+1, with the
 same calls, sums and bits as one chunk after the other.
+
+The steps, each readable alone: :func:`_opening` (steps 1-2), then a :class:`_Plan` (plain
+data: the arrays, rounds, staged ranks, scale, root) that the steps after it read.
+All-reduce and reduce (:func:`allreduce_steps`): :func:`_gathered_allreduce` (small), else
+:func:`_in_window_reduction` or :func:`_staged_reduction`, each round by
+:func:`_reduce_round` (:func:`_sum_into`; ``hierarchical``: :func:`_sum_across` and
+:class:`_CrossPipe`). Reduce-scatter (:func:`reduce_scatter_steps`): :func:`_sum_shard`
+within a node, :func:`_cross_reduce_scatter_round` over the nodes. All-gather
+(:func:`allgather_steps`): :func:`_cross_allgather` over the nodes, then
+:func:`_copy_peer_shards` within the node. The stream's private arrays are named regions
+(``shm.Work``); the shared scratch's layout is said where a round packs it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple
 
@@ -49,7 +61,7 @@ from ..errors import CommError, OrderError
 from .call import FENCE, Call, Steps, pipelined
 from .collectives import MPI_TYPES, mpi_spec
 from .order import order_error
-from .shm import DESC_WORDS, ShmStream
+from .shm import DESC_WORDS, ShmStream, Work
 
 #: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk (1 MiB: with the
 #: p source chunks it stays in a 2-4 MiB L2; a prototype measured it)
@@ -77,8 +89,45 @@ CUT_ELEMENTS = 64
 #: 0.44 at 256 KiB)
 GATHER_MAX_BYTES = 128 << 10
 
+#: with ``CommOptions.pipeline``, an all-reduce, reduce or reduce-scatter of at least this
+#: many bytes per rank runs ``hierarchical``'s inter-node step as a pipeline
+#: (:class:`_CrossPipe`); below it (and by default) each chunk's inter-node calls are
+#: blocking, one after the other, which keeps a small buffer's latency
+PIPE_MIN_BYTES = 256 << 10
+#: accumulators of the pipeline: chunk k is summed in slot k % PIPE_SLOTS of the ring regions
+#: (``Work.PIPE_ACC``, ``PIPE_PART``, ``RS_BLOCK``, ``RS_OUT``), which its calls use until it
+#: landed; the ``ahead`` bounds below make chunk k - PIPE_SLOTS land first
+PIPE_SLOTS = 4
+
 
 Opened = Generator[Call, None, List[Optional[np.ndarray]]]
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """How one collective runs, decided once after its opening and read by every step after
+    it: plain data, passed instead of mode flags."""
+
+    #: this rank's array, flat (a reduce-scatter's send buffer)
+    flat: np.ndarray
+    #: every node rank's array as its row names it (None: staged through that rank's scratch)
+    arrays: Tuple[Optional[np.ndarray], ...]
+    #: the node ranks whose arrays are staged (none: every array in the arena)
+    staged: Tuple[int, ...]
+    #: ``[a, b)`` of every round, of the array (all-reduce, reduce) or of a shard
+    rounds: Tuple[Tuple[int, int], ...]
+    #: applied once to each sum (None: not scaled)
+    scale: Optional[float] = None
+    #: elements per accumulator chunk (:func:`chunk_elements`)
+    chunk: int = 1
+    #: a reduce's root as ``(node, local rank)``; None: an all-reduce
+    root: Optional[Tuple[int, int]] = None
+    #: whether this rank's array receives the sum (all-reduce: every rank; reduce: the root)
+    lands: bool = True
+    #: a reduce-scatter's receive buffer, flat: this rank's shard of the sum
+    recv: Optional[np.ndarray] = None
+    #: a reduce-scatter's inter-node step is a pipeline (the same on every rank)
+    overlap: bool = False
 
 
 def chunk_elements(seg: int, dtype: Any) -> int:
@@ -95,10 +144,43 @@ def _cut(m: int, i: int, p: int) -> int:
     return min(m, -(-(m * i // p) // CUT_ELEMENTS) * CUT_ELEMENTS)
 
 
+def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
+    """``[a, b)`` of every round (one empty round for nothing: its barrier still ends it)."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+
+
+def _counts(m: int, n: int) -> Tuple[list, list]:
+    """``n`` block sizes (differing by at most one) of ``m`` elements, and their offsets."""
+    cuts = [m * i // n for i in range(n + 1)]
+    return [cuts[i + 1] - cuts[i] for i in range(n)], cuts[:-1]
+
+
+def _slot(k: int, overlap: bool) -> int:
+    """The ring slot of chunk (or round) ``k``: a ring when pipelined, else slot 0."""
+    return k % PIPE_SLOTS if overlap else 0
+
+
+def _staged_ranks(arrays: Sequence[Optional[np.ndarray]]) -> Tuple[int, ...]:
+    """The node ranks whose rows named no array in the arena (staged through the scratch)."""
+    return tuple(q for q, arr in enumerate(arrays) if arr is None)
+
+
+# ------------------------------------------------------------------ opening and barriers
+
+def _barrier(stream: ShmStream, call: Optional[Call] = None) -> Steps:
+    """A barrier of the node's ranks (``call``: the stream's, else this form of it) with the
+    memory fences around it (see ``shm.py``, memory ordering)."""
+    stream.window.sync()
+    yield stream.barrier if call is None else call
+    stream.window.sync()
+
+
 def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
              stage_first: Callable[[], None], name: str) -> Opened:
-    """Steps 1-2 of the module docstring; returns every rank's array (None: staged in its
-    scratch)."""
+    """Steps 1-2 of the module docstring: this rank's row written (``stage_first`` run
+    before, where ``flat`` is not in the arena), a barrier, every row read. Returns every
+    node rank's array (None: staged in its scratch); a problem in the rows is raised on
+    every rank alike (:func:`_peer_arrays`)."""
     memory, rank = stream.memory, stream.rank
     stream.serial += 1
     serial, offset = memory.locate(flat)
@@ -115,20 +197,7 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     # deadline instead of reading each other's rows
     opening = Call("Ibarrier", comm=stream.barrier.comm, nonblocking=True)
     yield from _barrier(stream, opening)
-    rows = stream.rows()
-    problem: Optional[Exception] = None
-    if (rows[:, :DESC_WORDS] != rows[rank, :DESC_WORDS]).any():
-        problem = order_error(rank, rows[:, :DESC_WORDS], name)  # steps named, if they differ
-    arrays: List[Optional[np.ndarray]] = []
-    for q in range(stream.size):
-        where, off = int(rows[q, DESC_WORDS]), int(rows[q, DESC_WORDS + 1])
-        arr = (None if where < 0 or problem is not None else flat if q == rank
-               else memory.peer_array(where, q, off, flat.size, flat.dtype))
-        if where >= 0 and arr is None and problem is None:
-            problem = CommError(f"rank {rank}: {name}: rank {q} named an array outside its "
-                                f"shared window {where} (offset {off}, {flat.size} "
-                                f"{flat.dtype})")
-        arrays.append(arr)
+    arrays, problem = _peer_arrays(stream, stream.rows(), flat, name)
     if problem is not None:
         # every rank read the same rows, so every rank raises this; but only after a barrier:
         # a rank that raised at once could start its next collective and rewrite its row
@@ -138,32 +207,141 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     return arrays
 
 
-def _barrier(stream: ShmStream, call: Optional[Call] = None) -> Steps:
-    """A barrier of the node's ranks (``call``: the stream's, else this form of it) with the
-    memory fences around it (see ``shm.py``, memory ordering)."""
-    stream.window.sync()
-    yield stream.barrier if call is None else call
-    stream.window.sync()
+def _peer_arrays(stream: ShmStream, rows: np.ndarray, flat: np.ndarray, name: str
+                 ) -> Tuple[List[Optional[np.ndarray]], Optional[Exception]]:
+    """Every node rank's array as its row names it (None: staged, or a problem found) and
+    the problem: ranks that started different collectives (``OrderError``), else the first
+    row naming memory outside its window (``CommError``). Every rank reads the same rows,
+    so every rank finds the same problem."""
+    rank = stream.rank
+    problem: Optional[Exception] = None
+    if (rows[:, :DESC_WORDS] != rows[rank, :DESC_WORDS]).any():
+        problem = order_error(rank, rows[:, :DESC_WORDS], name)  # steps named, if they differ
+    arrays: List[Optional[np.ndarray]] = []
+    for q in range(stream.size):
+        where, off = int(rows[q, DESC_WORDS]), int(rows[q, DESC_WORDS + 1])
+        arr = (None if where < 0 or problem is not None else flat if q == rank
+               else stream.memory.peer_array(where, q, off, flat.size, flat.dtype))
+        if where >= 0 and arr is None and problem is None:
+            problem = CommError(f"rank {rank}: {name}: rank {q} named an array outside its "
+                                f"shared window {where} (offset {off}, {flat.size} "
+                                f"{flat.dtype})")
+        arrays.append(arr)
+    return arrays, problem
 
 
-#: with ``CommOptions.pipeline``, an all-reduce, reduce or reduce-scatter of at least this
-#: many bytes per rank runs ``hierarchical``'s inter-node step as a pipeline
-#: (:class:`_CrossPipe`); below it (and by default) each chunk's inter-node calls are
-#: blocking, one after the other, which keeps a small buffer's latency
-PIPE_MIN_BYTES = 256 << 10
-#: accumulators of the pipeline: chunk k is summed in slot k % PIPE_SLOTS, which its calls
-#: use until it landed; the ``ahead`` bounds below make chunk k - PIPE_SLOTS land first
-PIPE_SLOTS = 4
-#: stream.work slots of the pipeline's accumulators and reduce-scatter parts (all-reduce),
-#: and of the node sums and results of a reduce-scatter's rounds
-_PIPE_ACC, _PIPE_PART = 16, 16 + PIPE_SLOTS
-_RS_BLOCK, _RS_OUT = 16 + 2 * PIPE_SLOTS, 16 + 3 * PIPE_SLOTS
+# ------------------------------------------------------------------------------ summing
+
+def _finish(acc: np.ndarray, dests: Sequence[np.ndarray], a: int, b: int,
+            scale: Optional[float], direct: bool = False) -> None:
+    """``dests[a:b] = scale * acc`` (rounded once where a dest is half; ``direct``: ``acc``
+    is ``dests[0][a:b]`` itself)."""
+    with np.errstate(all="ignore"):  # see IEEE_ONLY
+        if scale is not None:
+            backend.scale_(acc, scale)
+        if not dests:
+            return
+        first = acc if direct else dests[0][a:b]
+        if first.dtype in HALF:
+            halfcast.narrow(acc, first)
+        elif not direct:
+            first[...] = acc
+        for dest in dests[1:]:
+            dest[a:b] = first
 
 
-def _slot(k: int, overlap: bool) -> int:
-    """The scratch slot of chunk (or round) ``k``: a ring when pipelined, else one slot."""
-    return k % PIPE_SLOTS if overlap else 0
+def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """``out = sum(sources)``, fp32/fp64, left to right in rank order; ``out`` may be the
+    first or second source (each element is read before it is written) or apart from all."""
+    if len(sources) > 1:
+        np.add(sources[0], sources[1], out=out)
+        for src in sources[2:]:
+            np.add(out, src, out=out)
+    else:
+        out[...] = sources[0]
 
+
+def _add_chunk(sources: Sequence[np.ndarray], a: int, b: int, acc: np.ndarray,
+               tmp: Optional[np.ndarray]) -> None:
+    """``acc = sum(sources[a:b])`` in rank order, under the caller's errstate: half
+    precision widened to fp32 (one source at a time through ``tmp``, fp32, at least
+    ``b - a``), fp32/fp64 in their own dtype (see :func:`_add_in_rank_order`)."""
+    if sources[0].dtype not in HALF:
+        _add_in_rank_order([src[a:b] for src in sources], acc)
+        return
+    halfcast.widen(sources[0][a:b], acc)
+    wide = tmp[:b - a]
+    for src in sources[1:]:
+        halfcast.widen(src[a:b], wide)
+        np.add(acc, wide, out=acc)
+
+
+def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
+              lo: int, hi: int, scale: Optional[float], chunk: int) -> None:
+    """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
+    ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
+    as half and rounded once where a dest is half), the same bits whoever computes it."""
+    if hi <= lo:
+        return
+    dtype = sources[0].dtype
+    half = dtype in HALF
+    # fp32/fp64 summed straight into the first dest where the first two sums read it first
+    # (a source of the first two ranks, or none): no accumulator, one pass less per chunk;
+    # this rank alone touches its slice there until the closing barrier
+    direct = (not half and len(sources) > 1 and len(dests) > 0
+              and (dests[0] is sources[0] or dests[0] is sources[1]))
+    # half in and out: widened, summed, scaled and rounded in one compiled pass per few
+    # sources (halfcast.sum_half: the same bits), unless a NaN or no kernel stops it
+    fused = half and len(dests) > 0 and all(d.dtype == dtype for d in dests)
+    step = min(chunk, hi - lo)
+    acc_all = None if direct else stream.work(Work.ACCUMULATOR, step, float32 if half else dtype)
+    tmp = stream.work(Work.WIDE_TMP, step, float32) if half else None
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        with np.errstate(all="ignore"):  # see IEEE_ONLY
+            # the compiled half pass finishes the chunk's first ``done`` elements
+            done = (halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
+                                      scale, acc_all[:b - a]) if fused else 0)
+            if done == b - a:
+                continue
+            start = a + done  # numpy sums the rest
+            acc = dests[0][start:b] if direct else acc_all[:b - start]
+            _add_chunk(sources, start, b, acc, tmp)
+        _finish(acc, dests, start, b, scale, direct)
+
+
+def _sum_across(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
+                lo: int, hi: int, scale: Optional[float], chunk: int,
+                cross: "_CrossPipe") -> Steps:
+    """``hierarchical``'s :func:`_sum_into`: each chunk's node sum, in the pipeline's
+    accumulator, is summed over the nodes in place (``cross``) before it is scaled and
+    written (when it landed); its chunks are the same on every node."""
+    if hi <= lo:
+        return
+    dtype = sources[0].dtype
+    wide = float32 if dtype in HALF else dtype
+    step = min(chunk, hi - lo)
+    tmp = stream.work(Work.WIDE_TMP, step, float32) if dtype in HALF else None
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        acc = cross.acc(step, wide)[:b - a]
+        with np.errstate(all="ignore"):  # see IEEE_ONLY
+            _add_chunk(sources, a, b, acc, tmp)
+        yield from cross.hand_over(acc, partial(_finish, acc, dests, a, b, scale))
+
+
+def _sum_scaled(sources: Sequence[np.ndarray], out: np.ndarray, scale: Optional[float]) -> None:
+    """``out = scale * sum(sources)`` (``out`` apart from every source): the compiled sum
+    where it runs, numpy from where it stopped (a NaN: numpy decides its payload)."""
+    done = halfcast.sum_wide(sources, out, scale)
+    if done < out.size:
+        rest = out[done:]
+        _add_in_rank_order([s[done:] for s in sources], rest)
+        if scale is not None:
+            backend.scale_(rest, scale)
+
+
+# ------------------------------------------------------------ hierarchical: the hand-over
 
 class _CrossPipe:
     """``hierarchical``'s inter-node step of an all-reduce (``root_node`` None: a
@@ -180,34 +358,49 @@ class _CrossPipe:
 
     def __init__(self, stream: ShmStream, root_node: Optional[int], overlap: bool) -> None:
         self.stream, self.root_node, self.overlap = stream, root_node, overlap
-        self.k = 0          # chunks handed over (their accumulator slots: k % PIPE_SLOTS)
+        self.k = 0          # chunks handed over (their ring slots: k % PIPE_SLOTS)
         self.run = 0        # ... since the last flush, after which nothing is in flight
         self.prev: Optional[tuple] = None   # the chunk whose all-gather comes next
 
     def acc(self, n: int, dtype: Any) -> np.ndarray:
         """The accumulator of the next chunk."""
-        return self.stream.work(_PIPE_ACC + _slot(self.k, self.overlap), n, dtype)
+        return self.stream.work(Work.PIPE_ACC, n, dtype, _slot(self.k, self.overlap))
 
     def hand_over(self, acc: np.ndarray, land: Callable[[], None]) -> Steps:
         """Sum ``acc`` (this chunk's node sum) over the nodes, in place; ``land`` once it is
         there."""
-        stream, k, run = self.stream, self.k, self.run
+        k, run = self.k, self.run
         self.k += 1
         self.run += 1
         if self.root_node is not None:
-            here = stream.node == self.root_node
-            args = ((MPI.IN_PLACE, mpi_spec(acc)) if here else (mpi_spec(acc), None))
-            kwargs = {"op": MPI.SUM, "root": self.root_node}
-            if not self.overlap:
-                yield Call("Reduce", args, kwargs, comm=stream.cross)
-                land()
-                return
-            # chunk k+1 is summed once chunks up to k-2 landed: their slots are free
-            yield pipelined("Reduce", args, kwargs, land, comm=stream.cross,
-                            ahead=PIPE_SLOTS - 2)
+            yield from self._reduce(acc, land)
+        else:
+            yield from self._scatter_gather(acc, land, k, run)
+
+    def _reduce(self, acc: np.ndarray, land: Callable[[], None]) -> Steps:
+        """A reduce's hand-over: the chunk summed on the root's node, in place there."""
+        stream = self.stream
+        here = stream.node == self.root_node
+        args = ((MPI.IN_PLACE, mpi_spec(acc)) if here else (mpi_spec(acc), None))
+        kwargs = {"op": MPI.SUM, "root": self.root_node}
+        if not self.overlap:
+            yield Call("Reduce", args, kwargs, comm=stream.cross)
+            land()
             return
+        # chunk k+1 is summed once chunks up to k-2 landed: their slots are free
+        yield pipelined("Reduce", args, kwargs, land, comm=stream.cross,
+                        ahead=PIPE_SLOTS - 2)
+
+    def _scatter_gather(self, acc: np.ndarray, land: Callable[[], None], k: int,
+                        run: int) -> Steps:
+        """An all-reduce's hand-over of chunk ``k`` (``run``: its place since the last
+        flush): a reduce-scatter of it over the nodes into its ring slot of ``PIPE_PART``,
+        then the all-gather of the blocks (pipelined: chunk k-1's, after chunk k's
+        reduce-scatter)."""
+        stream = self.stream
         counts, displs = _counts(acc.size, stream.nodes)
-        part = stream.work(_PIPE_PART + _slot(k, self.overlap), counts[stream.node], acc.dtype)
+        part = stream.work(Work.PIPE_PART, counts[stream.node], acc.dtype,
+                           _slot(k, self.overlap))
         scatter = (mpi_spec(acc), mpi_spec(part))
         kwargs = {"recvcounts": counts, "op": MPI.SUM}
         if not self.overlap:
@@ -245,135 +438,7 @@ class _CrossPipe:
         yield FENCE
 
 
-def _finish(acc: np.ndarray, dests: Sequence[np.ndarray], a: int, b: int,
-            scale: Optional[float], direct: bool = False) -> None:
-    """``dests[a:b] = scale * acc`` (rounded once where a dest is half; ``direct``: ``acc``
-    is ``dests[0][a:b]`` itself)."""
-    with np.errstate(all="ignore"):  # see IEEE_ONLY
-        if scale is not None:
-            backend.scale_(acc, scale)
-        if not dests:
-            return
-        first = acc if direct else dests[0][a:b]
-        if first.dtype in HALF:
-            halfcast.narrow(acc, first)
-        elif not direct:
-            first[...] = acc
-        for dest in dests[1:]:
-            dest[a:b] = first
-
-
-def _sum_into(stream: ShmStream, sources: Sequence[np.ndarray], dests: Sequence[np.ndarray],
-              lo: int, hi: int, scale: Optional[float], chunk: int,
-              cross: Optional[_CrossPipe] = None) -> Steps:
-    """``dests[lo:hi] = scale * sum(sources[lo:hi])``: summed in rank order (the order of
-    ``sources``), chunk by chunk in the stream's accumulator (fp32 for half precision, read
-    as half and rounded once where a dest is half), the same bits whoever computes it.
-    ``cross``: sums each chunk's accumulator over the nodes, in place, before it is scaled
-    and written (``hierarchical``; its chunks are the same on every node)."""
-    if hi <= lo:
-        return
-    dtype = sources[0].dtype
-    half = dtype in HALF
-    # fp32/fp64 summed straight into the first dest where the first two sums read it first
-    # (a source of the first two ranks, or none): no accumulator, one pass less per chunk;
-    # this rank alone touches its slice there until the closing barrier
-    direct = (not half and cross is None and len(sources) > 1 and len(dests) > 0
-              and (dests[0] is sources[0] or dests[0] is sources[1]))
-    # half in and out: widened, summed, scaled and rounded in one compiled pass per few
-    # sources (halfcast.sum_half: the same bits), unless a NaN or no kernel stops it
-    fused = (half and cross is None and len(dests) > 0
-             and all(d.dtype == dtype for d in dests))
-    step = min(chunk, hi - lo)
-    wide = float32 if half else dtype
-    acc_all = None if direct or cross else stream.work(0, step, wide)
-    tmp_all = stream.work(1, step, float32) if half else None
-    for a in range(lo, hi, step):
-        b = min(a + step, hi)
-        if cross is not None:
-            acc_all = cross.acc(step, wide)
-        with np.errstate(all="ignore"):  # see IEEE_ONLY
-            if fused:
-                a += halfcast.sum_half([src[a:b] for src in sources], [d[a:b] for d in dests],
-                                       scale, acc_all[:b - a])
-                if a == b:
-                    continue
-            acc = dests[0][a:b] if direct else acc_all[:b - a]
-            if half:
-                halfcast.widen(sources[0][a:b], acc)
-                tmp = tmp_all[:b - a]
-                for src in sources[1:]:
-                    halfcast.widen(src[a:b], tmp)
-                    np.add(acc, tmp, out=acc)
-            else:
-                _add_in_rank_order([src[a:b] for src in sources], acc)
-        if cross is not None:
-            yield from cross.hand_over(acc, partial(_finish, acc, dests, a, b, scale))
-        else:
-            _finish(acc, dests, a, b, scale, direct)
-
-
-def _add_in_rank_order(sources: Sequence[np.ndarray], out: np.ndarray) -> None:
-    """``out = sum(sources)``, fp32/fp64, left to right in rank order; ``out`` may be the
-    first or second source (each element is read before it is written) or apart from all."""
-    if len(sources) > 1:
-        np.add(sources[0], sources[1], out=out)
-        for src in sources[2:]:
-            np.add(out, src, out=out)
-    else:
-        out[...] = sources[0]
-
-
-def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
-    """``[a, b)`` of every round (one empty round for nothing: its barrier still ends it)."""
-    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
-
-
-def _counts(m: int, n: int) -> Tuple[list, list]:
-    """``n`` block sizes (differing by at most one) of ``m`` elements, and their offsets."""
-    cuts = [m * i // n for i in range(n + 1)]
-    return [cuts[i + 1] - cuts[i] for i in range(n)], cuts[:-1]
-
-
-def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
-                        seg: int) -> Steps:
-    """A small all-reduce as an all-gather of every rank's buffer; every rank then sums all
-    of them in rank order as :func:`_sum_into` sums a slice, so every rank computes, and
-    holds, the same bits. On one node the buffers go through the ranks' scratch
-    (``ShmStream.publish``: a copy and a word per rank, no MPI call); ``hierarchical`` runs
-    one ``MPI_Allgather`` over the whole communicator. Only behind the order check (see
-    :func:`allreduce_steps`), which compares what the window's rows would, and which is
-    what makes reusing the scratch safe. 2 ranks, 4 KiB: two barriers and the window's
-    bookkeeping took 60-80 us a step, ``thread`` 27-47 us; the ``Allgather`` cost Open MPI
-    4.2 us where its ``Allreduce`` takes 1.7 us, the scratch about 1.5 us."""
-    stream.serial += 1  # in step with the window's rows on every rank
-    if stream.nodes == 1 and flat.nbytes <= stream.scratch_bytes:
-        arrived, sources = stream.publish(flat)
-        yield arrived
-    else:
-        rows, sources = stream.gathered(flat.nbytes, flat.dtype)
-        yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
-    if flat.dtype in HALF:
-        yield from _sum_into(stream, sources, [flat], 0, flat.size, scale,
-                             chunk_elements(seg, flat.dtype))
-    else:  # apart from every source: summed in the buffer itself, as _sum_into's direct sum
-        try:  # an errstate costs as much as the sum here; see IEEE_ONLY
-            _sum_scaled(sources, flat, scale)
-        except (FloatingPointError, RuntimeWarning):
-            with np.errstate(all="ignore"):  # the caller made numpy raise: again, quietly
-                _sum_scaled(sources, flat, scale)
-
-
-def _sum_scaled(sources: Sequence[np.ndarray], out: np.ndarray, scale: Optional[float]) -> None:
-    """``out = scale * sum(sources)`` (``out`` apart from every source): the compiled sum
-    where it runs, numpy from where it stopped (a NaN: numpy decides its payload)."""
-    done = halfcast.sum_wide(sources, out, scale)
-    if done < out.size:
-        rest = out[done:]
-        _add_in_rank_order([s[done:] for s in sources], rest)
-        if scale is not None:
-            backend.scale_(rest, scale)
-
+# ------------------------------------------------------------------ all-reduce and reduce
 
 def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
                     root: Optional[int], desc: Sequence[int], seg: int, name: str,
@@ -395,46 +460,132 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     check runs before it (``verify_order``): it compares what the rows would, and without it
     a peer that started another collective would meet the ``Allgather`` with a barrier."""
     flat = buf.reshape(-1)
-    rank, p = stream.rank, stream.size
-    if gather and root is None and p * stream.nodes * flat.nbytes <= GATHER_MAX_BYTES:
+    if (gather and root is None
+            and stream.size * stream.nodes * flat.nbytes <= GATHER_MAX_BYTES):
         yield from _gathered_allreduce(stream, flat, scale, seg)
         return
-    chunk = chunk_elements(seg, flat.dtype)
-    me = stream.node * p + rank
-    root_node, root_local = (-1, -1) if root is None else divmod(root, p)
-    lands = root is None or root == me
+    plan = yield from _open_reduction(stream, flat, scale, root, desc, seg, name)
+    cross: Optional[_CrossPipe] = None
+    if stream.cross is not None:  # the same on every rank: agreed option, same buffer size
+        cross = _CrossPipe(stream, None if plan.root is None else plan.root[0],
+                           overlap=pipeline and flat.nbytes >= PIPE_MIN_BYTES)
+    if plan.staged:
+        yield from _staged_reduction(stream, plan, cross)
+    else:
+        yield from _in_window_reduction(stream, plan, cross)
+    if not plan.lands and sent_scale is not None:
+        with np.errstate(all="ignore"):  # see IEEE_ONLY
+            backend.scale_(flat, sent_scale)
+
+
+def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
+                        seg: int) -> Steps:
+    """A small all-reduce as an all-gather of every rank's buffer; every rank then sums all
+    of them in rank order as :func:`_sum_into` sums a slice, so every rank computes, and
+    holds, the same bits. On one node the buffers go through the ranks' scratch
+    (``ShmStream.publish``: a copy and a word per rank, no MPI call); ``hierarchical`` runs
+    one ``MPI_Allgather`` over the whole communicator. Only behind the order check (see
+    :func:`allreduce_steps`), which compares what the window's rows would, and which is
+    what makes reusing the scratch safe. 2 ranks, 4 KiB: two barriers and the window's
+    bookkeeping took 60-80 us a step, ``thread`` 27-47 us; the ``Allgather`` cost Open MPI
+    4.2 us where its ``Allreduce`` takes 1.7 us, the scratch about 1.5 us."""
+    stream.serial += 1  # in step with the window's rows on every rank
+    if stream.nodes == 1 and flat.nbytes <= stream.scratch_bytes:
+        arrived, sources = stream.publish(flat)
+        yield arrived
+    else:
+        rows, sources = stream.gathered(flat.nbytes, flat.dtype)
+        yield Call("Allgather", ([flat.view(np.uint8), MPI.BYTE], [rows, MPI.BYTE]))
+    if flat.dtype in HALF:
+        _sum_into(stream, sources, [flat], 0, flat.size, scale,
+                  chunk_elements(seg, flat.dtype))
+    else:  # apart from every source: summed in the buffer itself, as _sum_into's direct sum
+        try:  # an errstate costs as much as the sum here; see IEEE_ONLY
+            _sum_scaled(sources, flat, scale)
+        except (FloatingPointError, RuntimeWarning):
+            with np.errstate(all="ignore"):  # the caller made numpy raise: again, quietly
+                _sum_scaled(sources, flat, scale)
+
+
+def _open_reduction(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
+                    root: Optional[int], desc: Sequence[int], seg: int,
+                    name: str) -> Generator[Call, None, _Plan]:
+    """The opening of an all-reduce or reduce (a plain array's first round staged at the
+    start of this rank's scratch) and its plan: one round where every array is in the
+    arena, else rounds of a scratch's size; ``hierarchical`` always the latter, so every
+    node cuts the same slices whether or not it stages."""
+    rank, p = stream.rank, stream.size
     cap = stream.scratch_bytes // flat.itemsize
     mine = stream.scratch(rank, flat.dtype)
     arrays = yield from _opening(
         stream, desc, flat, lambda: np.copyto(mine[:min(cap, flat.size)], flat[:cap]), name)
-    staged = [q for q in range(p) if arrays[q] is None]
-    cross: Optional[_CrossPipe] = None
-    if stream.cross is not None:  # the same on every rank: agreed option, same buffer size
-        cross = _CrossPipe(stream, None if root is None else root_node,
-                           overlap=pipeline and flat.nbytes >= PIPE_MIN_BYTES)
-    rounds = _rounds(flat.size, cap if staged or cross else max(flat.size, 1))
-    for i, (a, b) in enumerate(rounds):
-        m = b - a
-        if i and staged:
-            if rank in staged:
-                mine[:m] = flat[a:b]
-            yield from _barrier(stream)
-        parts = [arrays[q][a:b] if arrays[q] is not None
-                 else stream.scratch(q, flat.dtype)[:m] for q in range(p)]
-        dests = (parts if root is None else
-                 [parts[root_local]] if stream.node == root_node else [])
-        yield from _sum_into(stream, parts, dests, _cut(m, rank, p), _cut(m, rank + 1, p),
-                             scale, chunk, cross)
-        if staged or i == len(rounds) - 1:
-            if cross is not None:
-                yield from cross.flush()
-            yield from _barrier(stream)
-        if rank in staged and lands:
-            flat[a:b] = mine[:m]
-    if not lands and sent_scale is not None:
-        with np.errstate(all="ignore"):
-            backend.scale_(flat, sent_scale)
+    staged = _staged_ranks(arrays)
+    step = cap if staged or stream.cross is not None else max(flat.size, 1)
+    return _Plan(flat, tuple(arrays), staged, tuple(_rounds(flat.size, step)), scale,
+                 chunk_elements(seg, flat.dtype),
+                 root=None if root is None else divmod(root, p),
+                 lands=root is None or root == stream.node * p + rank)
 
+
+def _in_window_reduction(stream: ShmStream, plan: _Plan,
+                         cross: Optional[_CrossPipe]) -> Steps:
+    """Every array in the arena: each round summed straight from the peers' arrays, one
+    barrier at the end (``hierarchical``: its rounds one pipeline, flushed before it)."""
+    for a, b in plan.rounds:
+        yield from _reduce_round(stream, plan, a, b, cross)
+    if cross is not None:
+        yield from cross.flush()
+    yield from _barrier(stream)
+
+
+def _staged_reduction(stream: ShmStream, plan: _Plan, cross: Optional[_CrossPipe]) -> Steps:
+    """Some rank staged: rounds of a scratch's size. A staged rank copies round i > 0 into
+    its scratch once round i-1's closing barrier said every peer is done reading it, and
+    a barrier says it is there; each round ends with a barrier (after the hand-over's
+    flush), then a staged rank that receives the sum copies it back from its scratch."""
+    rank, flat = stream.rank, plan.flat
+    mine = stream.scratch(rank, flat.dtype)
+    for i, (a, b) in enumerate(plan.rounds):
+        if i:
+            if rank in plan.staged:
+                mine[:b - a] = flat[a:b]
+            yield from _barrier(stream)
+        yield from _reduce_round(stream, plan, a, b, cross)
+        if cross is not None:
+            yield from cross.flush()
+        yield from _barrier(stream)
+        if rank in plan.staged and plan.lands:
+            flat[a:b] = mine[:b - a]
+
+
+def _reduce_round(stream: ShmStream, plan: _Plan, a: int, b: int,
+                  cross: Optional[_CrossPipe]) -> Steps:
+    """Round ``[a, b)``: this rank's slice (:func:`_cut`) of every node rank's piece,
+    summed in rank order and written to every rank's piece (all-reduce) or the root's
+    (reduce; on another node nowhere: the hand-over carried it). ``hierarchical``
+    (``cross``): each chunk summed over the nodes before it is scaled and written."""
+    m, rank, p = b - a, stream.rank, stream.size
+    parts = [_round_piece(stream, plan, q, a, b) for q in range(p)]
+    if plan.root is None:
+        dests = parts
+    else:
+        root_node, root_local = plan.root
+        dests = [parts[root_local]] if stream.node == root_node else []
+    lo, hi = _cut(m, rank, p), _cut(m, rank + 1, p)
+    if cross is None:
+        _sum_into(stream, parts, dests, lo, hi, plan.scale, plan.chunk)
+    else:
+        yield from _sum_across(stream, parts, dests, lo, hi, plan.scale, plan.chunk, cross)
+
+
+def _round_piece(stream: ShmStream, plan: _Plan, q: int, a: int, b: int) -> np.ndarray:
+    """Node rank ``q``'s elements ``[a, b)``: in its array, or staged at the start of its
+    scratch."""
+    arr = plan.arrays[q]
+    return arr[a:b] if arr is not None else stream.scratch(q, plan.flat.dtype)[:b - a]
+
+
+# -------------------------------------------------------------------------- reduce-scatter
 
 def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.ndarray,
                          scale: Optional[float], desc: Sequence[int], chunk: int, name: str,
@@ -451,76 +602,142 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
     node sums round i+1 (as :class:`_CrossPipe`), and lands (scaled, written) in round
     order."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
-    rank, p, nodes = stream.rank, stream.size, stream.nodes
-    shard = recv.size
-    everyone = p * nodes
-    mine = stream.scratch(rank, send.dtype)
-    piece_staged = max(1, min(stream.scratch_bytes // send.itemsize // everyone, shard))
-    owned = [k * p + rank for k in range(nodes)]  # the shards this rank sums on its node
-
-    def stage(a: int, b: int) -> None:
-        w = b - a
-        for s in range(everyone):
-            if s % p != rank:
-                mine[s * w:(s + 1) * w] = send[s * shard + a:s * shard + b]
-
-    arrays = yield from _opening(
-        stream, desc, send, lambda: stage(0, min(piece_staged, shard)), name)
-    staged = any(arr is None for arr in arrays)
-    hier = stream.cross is not None
-    overlap = pipeline and hier and send.nbytes >= PIPE_MIN_BYTES  # the same on every rank
-    rounds = _rounds(shard, piece_staged if staged or hier else max(shard, 1))
-    wide = float32 if send.dtype in HALF else send.dtype
-    for i, (a, b) in enumerate(rounds):
-        w = b - a
-        if i and staged:
-            if arrays[rank] is None:
-                stage(a, b)
+    plan = yield from _open_reduce_scatter(stream, send, recv, scale, desc, chunk, name,
+                                           pipeline)
+    for i, (a, b) in enumerate(plan.rounds):
+        if i and plan.staged:  # after round i-1's closing barrier: its pieces were read
+            if stream.rank in plan.staged:
+                _pack_for_peers(stream, send, recv.size, a, b)
             yield from _barrier(stream)
-
-        def parts(s: int) -> List[np.ndarray]:
-            at = slice(s * shard + a, s * shard + b)
-            return [send[at] if q == rank else arrays[q][at] if arrays[q] is not None
-                    else stream.scratch(q, send.dtype)[s * w:(s + 1) * w] for q in range(p)]
-
-        if not hier:
-            yield from _sum_into(stream, parts(owned[0]), [recv[a:b]], 0, w, scale, chunk)
+        if stream.cross is None:
+            _sum_shard(stream, plan, a, b)
         else:
-            # round i's slots are free: its reduce-scatter follows round i-4's, and round
-            # i-1's left at most two earlier ones in flight
-            slot = _slot(i, overlap)
-            block = stream.work(_RS_BLOCK + slot, nodes * w, wide).reshape(nodes, w)
-            for k, s in enumerate(owned):
-                yield from _sum_into(stream, parts(s), [block[k]], 0, w, None, chunk)
-            out = stream.work(_RS_OUT + slot, w, wide)
-            args = (mpi_spec(block.reshape(-1)), mpi_spec(out))
-            land = partial(_finish, out, [recv], a, b, scale)
-            if overlap:
-                yield pipelined("Reduce_scatter_block", args, {"op": MPI.SUM}, land,
-                                comm=stream.cross, ahead=PIPE_SLOTS - 2)
-            else:
-                yield Call("Reduce_scatter_block", args, {"op": MPI.SUM}, comm=stream.cross)
-                land()
-        if staged or i == len(rounds) - 1:
-            if overlap:
+            yield from _cross_reduce_scatter_round(stream, plan, i, a, b)
+        if plan.staged or i == len(plan.rounds) - 1:
+            if plan.overlap:
                 yield FENCE  # every round's result landed before the node's barrier
             yield from _barrier(stream)
     if others_scale is not None:
-        with np.errstate(all="ignore"):
-            for s in range(everyone):
-                if s != stream.node * p + rank:
-                    backend.scale_(send[s * shard:(s + 1) * shard], others_scale)
+        with np.errstate(all="ignore"):  # see IEEE_ONLY
+            for s in range(stream.size * stream.nodes):
+                if s != stream.node * stream.size + stream.rank:
+                    backend.scale_(send[s * recv.size:(s + 1) * recv.size], others_scale)
+
+
+def _open_reduce_scatter(stream: ShmStream, send: np.ndarray, recv: np.ndarray,
+                         scale: Optional[float], desc: Sequence[int], chunk: int, name: str,
+                         pipeline: bool) -> Generator[Call, None, _Plan]:
+    """The opening of a reduce-scatter (a plain array's first pieces packed in this rank's
+    scratch) and its plan: one round of the shard where every array is in the arena, else
+    rounds of a scratch's share per shard; ``hierarchical`` always the latter."""
+    shard = recv.size
+    everyone = stream.size * stream.nodes
+    piece = max(1, min(stream.scratch_bytes // send.itemsize // everyone, shard))
+    arrays = yield from _opening(
+        stream, desc, send, lambda: _pack_for_peers(stream, send, shard, 0, min(piece, shard)),
+        name)
+    staged = _staged_ranks(arrays)
+    hier = stream.cross is not None
+    rounds = _rounds(shard, piece if staged or hier else max(shard, 1))
+    return _Plan(send, tuple(arrays), staged, tuple(rounds), scale, chunk, recv=recv,
+                 overlap=pipeline and hier and send.nbytes >= PIPE_MIN_BYTES)
+
+
+def _pack_for_peers(stream: ShmStream, send: np.ndarray, shard: int, a: int, b: int) -> None:
+    """A staged reduce-scatter round: piece ``[a, b)`` of every shard a node peer sums (not
+    this rank's own, which it reads in place) into this rank's scratch, shard ``s``'s piece
+    at ``s * (b - a)``."""
+    mine = stream.scratch(stream.rank, send.dtype)
+    w = b - a
+    for s in range(stream.size * stream.nodes):
+        if s % stream.size != stream.rank:
+            mine[s * w:(s + 1) * w] = send[s * shard + a:s * shard + b]
+
+
+def _shard_pieces(stream: ShmStream, plan: _Plan, s: int, a: int, b: int) -> List[np.ndarray]:
+    """Every node rank's piece ``[a, b)`` of shard ``s``, in rank order: this rank's in its
+    own array (staged or not), a peer's in its array or where :func:`_pack_for_peers` put
+    it."""
+    shard, w = plan.recv.size, b - a
+    at = slice(s * shard + a, s * shard + b)
+    pieces = []
+    for q in range(stream.size):
+        arr = plan.arrays[q]
+        pieces.append(plan.flat[at] if q == stream.rank else arr[at] if arr is not None
+                      else stream.scratch(q, plan.flat.dtype)[s * w:(s + 1) * w])
+    return pieces
+
+
+def _sum_shard(stream: ShmStream, plan: _Plan, a: int, b: int) -> None:
+    """``shm`` reduce-scatter round ``[a, b)``: this rank's shard summed over every rank's
+    piece of it, scaled and written to the receive buffer."""
+    pieces = _shard_pieces(stream, plan, stream.rank, a, b)
+    _sum_into(stream, pieces, [plan.recv[a:b]], 0, b - a, plan.scale, plan.chunk)
+
+
+def _cross_reduce_scatter_round(stream: ShmStream, plan: _Plan, i: int, a: int,
+                                b: int) -> Steps:
+    """``hierarchical`` reduce-scatter round ``i``, ``[a, b)`` of the shards: this rank sums
+    over its node the shards its local index owns on every node (one row of ``RS_BLOCK`` per
+    node, unscaled), then a reduce-scatter over the nodes leaves this rank's own in
+    ``RS_OUT``, scaled and written once it landed (pipelined: in round order)."""
+    p, rank, nodes, w = stream.size, stream.rank, stream.nodes, b - a
+    wide = float32 if plan.flat.dtype in HALF else plan.flat.dtype
+    # round i's slots are free: its reduce-scatter follows round i-4's, and round
+    # i-1's left at most two earlier ones in flight
+    slot = _slot(i, plan.overlap)
+    block = stream.work(Work.RS_BLOCK, nodes * w, wide, slot).reshape(nodes, w)
+    for k in range(nodes):
+        pieces = _shard_pieces(stream, plan, k * p + rank, a, b)
+        _sum_into(stream, pieces, [block[k]], 0, w, None, plan.chunk)
+    out = stream.work(Work.RS_OUT, w, wide, slot)
+    args = (mpi_spec(block.reshape(-1)), mpi_spec(out))
+    land = partial(_finish, out, [plan.recv], a, b, plan.scale)
+    if plan.overlap:
+        yield pipelined("Reduce_scatter_block", args, {"op": MPI.SUM}, land,
+                        comm=stream.cross, ahead=PIPE_SLOTS - 2)
+    else:
+        yield Call("Reduce_scatter_block", args, {"op": MPI.SUM}, comm=stream.cross)
+        land()
+
+
+# ------------------------------------------------------------------------------ all-gather
+
+def allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
+                    name: str) -> Steps:
+    """Every rank's shard of ``buf`` (its own, in place) into every rank's ``buf``: raw
+    copies, any dtype. ``hierarchical``: first over the nodes (each rank gathers the shards
+    of its local index), then within the node (each rank copies its peers' shards)."""
+    flat = buf.reshape(-1)
+    shard = flat.size // (stream.size * stream.nodes)
+    if stream.cross is not None:
+        yield from _cross_allgather(stream, flat, shard)
+    piece = max(1, min(stream.scratch_bytes // flat.itemsize // stream.nodes, shard))
+    arrays = yield from _opening(
+        stream, desc, flat, lambda: _pack_own_shards(stream, flat, shard, 0, min(piece, shard)),
+        name)
+    staged = _staged_ranks(arrays)
+    plan = _Plan(flat, tuple(arrays), staged,
+                 tuple(_rounds(shard, piece if staged else max(shard, 1))))
+    for i, (a, b) in enumerate(plan.rounds):
+        if i:  # a staged round, after round i-1's closing barrier: its pieces were read
+            if stream.rank in plan.staged:
+                _pack_own_shards(stream, flat, shard, a, b)
+            yield from _barrier(stream)
+        _copy_peer_shards(stream, plan, shard, a, b)
+        yield from _barrier(stream)
 
 
 def _cross_allgather(stream: ShmStream, flat: np.ndarray, shard: int) -> Steps:
     """``hierarchical``: this rank's shard to the ranks of the same local index on every
-    node, and theirs into this rank's array, in pieces of at most :data:`CHUNK_BYTES`."""
+    node, and theirs into this rank's array, in pieces of at most :data:`CHUNK_BYTES`
+    (received in ``Work.CROSS_BLOCK``)."""
     nodes, p, rank = stream.nodes, stream.size, stream.rank
     me = stream.node * p + rank
     piece = max(1, min(shard, CHUNK_BYTES // max(flat.itemsize, 1) // nodes))
     for a in range(0, shard, piece):
         b = min(a + piece, shard)
-        block = stream.work(5, nodes * (b - a) * flat.itemsize, np.uint8)
+        block = stream.work(Work.CROSS_BLOCK, nodes * (b - a) * flat.itemsize, np.uint8)
         yield Call("Allgather", ([flat[me * shard + a:me * shard + b].view(np.uint8), MPI.BYTE],
                                  [block, MPI.BYTE]), comm=stream.cross)
         rows = block.view(flat.dtype).reshape(nodes, b - a)
@@ -530,41 +747,27 @@ def _cross_allgather(stream: ShmStream, flat: np.ndarray, shard: int) -> Steps:
                 flat[s * shard + a:s * shard + b] = rows[k]
 
 
-def allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
-                    name: str) -> Steps:
-    """Every rank's shard of ``buf`` (its own, in place) into every rank's ``buf``: raw
-    copies, any dtype. ``hierarchical``: first over the nodes (each rank gathers the shards
-    of its local index), then within the node (each rank copies its peers' shards)."""
-    flat = buf.reshape(-1)
-    rank, p, nodes = stream.rank, stream.size, stream.nodes
-    shard = flat.size // (p * nodes)
-    if stream.cross is not None:
-        yield from _cross_allgather(stream, flat, shard)
-    mine = stream.scratch(rank, flat.dtype)
-    piece_staged = max(1, min(stream.scratch_bytes // flat.itemsize // nodes, shard))
+def _pack_own_shards(stream: ShmStream, flat: np.ndarray, shard: int, a: int, b: int) -> None:
+    """A staged all-gather round: piece ``[a, b)`` of this rank's shard on every node (the
+    pieces its node peers copy) into its scratch, node ``k``'s at ``k * (b - a)``."""
+    mine = stream.scratch(stream.rank, flat.dtype)
+    w = b - a
+    for k in range(stream.nodes):
+        s = k * stream.size + stream.rank
+        mine[k * w:(k + 1) * w] = flat[s * shard + a:s * shard + b]
 
-    def stage(a: int, b: int) -> None:
-        w = b - a
-        for k in range(nodes):
-            s = k * p + rank
-            mine[k * w:(k + 1) * w] = flat[s * shard + a:s * shard + b]
 
-    arrays = yield from _opening(
-        stream, desc, flat, lambda: stage(0, min(piece_staged, shard)), name)
-    staged = any(arr is None for arr in arrays)
-    rounds = _rounds(shard, piece_staged if staged else max(shard, 1))
-    for i, (a, b) in enumerate(rounds):
-        w = b - a
-        if i:
-            if arrays[rank] is None:
-                stage(a, b)
-            yield from _barrier(stream)
-        for q in range(p):
-            if q == rank:
-                continue
-            for k in range(nodes):
-                s = k * p + q
-                src = (arrays[q][s * shard + a:s * shard + b] if arrays[q] is not None
-                       else stream.scratch(q, flat.dtype)[k * w:(k + 1) * w])
-                flat[s * shard + a:s * shard + b] = src
-        yield from _barrier(stream)
+def _copy_peer_shards(stream: ShmStream, plan: _Plan, shard: int, a: int, b: int) -> None:
+    """All-gather round ``[a, b)`` within the node: every peer's pieces of its shards (one
+    per node) copied into this rank's array, from the peer's array or from where
+    :func:`_pack_own_shards` put them in its scratch."""
+    flat, p, w = plan.flat, stream.size, b - a
+    for q in range(p):
+        if q == stream.rank:
+            continue
+        arr = plan.arrays[q]
+        for k in range(stream.nodes):
+            s = k * p + q
+            flat[s * shard + a:s * shard + b] = (
+                arr[s * shard + a:s * shard + b] if arr is not None
+                else stream.scratch(q, flat.dtype)[k * w:(k + 1) * w])

@@ -59,7 +59,7 @@ class CommTask:
 
     def __init__(self, op: Collective, engine: "Engine",
                  timeout: Optional[float] = None) -> None:
-        self.name = op.name
+        self.name = op.plan.name
         self.timeout = timeout
         self.abandoned = False
         #: more of a timeout's message, computed when it happens (the owner's late ranks)
@@ -119,12 +119,13 @@ class CommTask:
             error = op.error
             if isinstance(error, FusionError):
                 raise error
-            raise CommError(f"rank {op.rank}: {self.name or 'collective'} failed: "
+            raise CommError(f"rank {op.plan.rank}: {self.name or 'collective'} failed: "
                             f"{error}") from error
 
     def _timeout_error(self, timeout: float) -> CommTimeoutError:
         more = self.context() if self.context is not None else ""
-        return CommTimeoutError(f"rank {self._op.rank}: {self.name or 'collective'} did not "
+        rank = self._op.plan.rank
+        return CommTimeoutError(f"rank {rank}: {self.name or 'collective'} did not "
                                 f"complete within {timeout:g} s (another rank may not have "
                                 f"started it, or started collectives in a different order)"
                                 f"{more}")

@@ -3,7 +3,8 @@
 Each field says what it decides and the measurement that chose it (the machines are named in
 BENCHMARKS.md). They are thresholds, not options: a user never needs them, but a maintainer
 re-measuring on other hardware, or a test that wants the staged path with small buffers,
-does. Read them with :func:`current`; a test changes them with :func:`override`, on every
+does. Read them as ``tuning.ACTIVE`` (or :func:`current`); a test changes them with
+:func:`override`, on every
 rank alike: most decide which calls a collective makes, so the agreement check compares
 them (``Communicator``'s ``tuning`` entry) and ranks that differ refuse to build a buffer.
 ``mpifusion info`` prints them.
@@ -86,22 +87,23 @@ class Tuning:
                          if getattr(self, f.name) != getattr(default, f.name))
 
 
-_CURRENT = Tuning()
+#: the thresholds in use in this process (read on every start: an attribute, no call)
+ACTIVE = Tuning()
 
 
 def current() -> Tuning:
     """The thresholds in use in this process."""
-    return _CURRENT
+    return ACTIVE
 
 
 def use(tuning: Tuning) -> Tuning:
     """Use ``tuning`` from now on, on this rank (do it on every rank alike, before the
     buffers are built); returns the one it replaces."""
-    global _CURRENT
+    global ACTIVE
     if not isinstance(tuning, Tuning):
         raise OptionError(f"tuning: expected a mpifusion.comm.tuning.Tuning, "
                           f"got {type(tuning).__name__}")
-    previous, _CURRENT = _CURRENT, tuning
+    previous, ACTIVE = ACTIVE, tuning
     return previous
 
 
@@ -110,7 +112,7 @@ def override(**changes: Any) -> Iterator[Tuning]:
     """Thresholds changed for the duration of a ``with`` block (tests), e.g.
     ``override(scratch_bytes=4096)`` to run the staged path with small buffers."""
     try:
-        changed = replace(_CURRENT, **changes)
+        changed = replace(ACTIVE, **changes)
     except TypeError as exc:
         raise OptionError(f"tuning: {exc}") from exc
     previous = use(changed)

@@ -23,7 +23,7 @@ def _runners(c):
     execute = engine._execute
 
     def spy(task):
-        seen.append((task.name, threading.current_thread() is threading.main_thread()))
+        seen.append((task.plan.name, threading.current_thread() is threading.main_thread()))
         execute(task)
 
     engine._execute = spy
@@ -72,7 +72,7 @@ def _caller_polls(c):
 
     def spy(task, deadline):
         finished = until(task, deadline)
-        seen.append((task.name, finished))
+        seen.append((task.plan.name, finished))
         return finished
 
     engine._execute_until = spy
@@ -109,13 +109,13 @@ def test_with_a_deadline_the_caller_runs_it_polling(comm):
     blocking, polled = _runners(c), _caller_polls(c)
     buf = np.full(16, rank + 1.0, np.float32)
     task = c.allreduce(buf, scale=1.0 / n, name="dl")
-    assert task._op.polled
+    assert task._op.plan.polled
     task.wait()
     assert (buf == (n + 1) / 2).all()
     assert polled == [("dl", True)] and blocking == []
     big = np.full(INLINE_MAX_BYTES, rank + 1.0, np.float32)  # above the limit: the thread's
     task = c.allreduce(big, name="big")
-    assert not task._op.polled
+    assert not task._op.plan.polled
     task.wait()
     assert (big == n * (n + 1) / 2).all() and polled == [("dl", True)]
 
@@ -170,7 +170,7 @@ def test_shm_collectives_up_to_a_mebibyte_may_run_on_the_waiting_caller(comm, ti
         x[...] = np.arange(count, dtype=np.float32) % 7 + rank
         task = c.allreduce(x, name=name)
         # by size and "deadline set", the same on every rank: a waiting caller polls it
-        assert task._op.polled == (timeout is not None and name == "mid"), name
+        assert task._op.plan.polled == (timeout is not None and name == "mid"), name
         task.wait()
         want = (np.arange(count) % 7 * n + n * (n - 1) / 2).astype(np.float32)
         assert np.array_equal(x, want), name

@@ -24,7 +24,7 @@ COMM_DIR = Path(communicator_mod.__file__).resolve().parent
 ENGINE_FIELDS = {"build", "steps", "requests", "keep", "seq", "blocked", "stopped", "failure",
                  "stealable", "since", "late"}
 #: the result: written by finish() only (and set up by __init__)
-RESULT_FIELDS = {"_error", "_done"}
+RESULT_FIELDS = {"error", "done"}
 ALL_FIELDS = ENGINE_FIELDS | RESULT_FIELDS | {"plan"}
 
 
@@ -63,25 +63,20 @@ def test_source_has_one_writer_per_record_field():
             assert where == {("record", "__init__")}, (field, where)
         else:
             assert modules <= {"engines", "record"}, (field, where)
-    # the result and the plan are written somewhere: the walk sees the record class
-    assert ("record", "finish") in writers["_error"]
+    # the result is written somewhere: the walk sees the record's functions
+    assert ("record", "finish") in writers["error"]
+    assert ("engines", "_stamp") in writers["steps"]
 
 
-def test_plan_and_result_cannot_be_written_from_outside():
+def test_the_plan_is_frozen():
     op = Collective(Plan(name="t", rank=0), lambda seq: iter(()))
     with pytest.raises(AttributeError):
         op.plan.polled = True
-    with pytest.raises(AttributeError):
-        op.error = RuntimeError("x")
-    with pytest.raises(AttributeError):
-        op.done = None
 
 
 def test_finish_records_the_result_once_and_tells_on_fail_once():
     told = []
     op = Collective(Plan(name="t", on_fail=told.append), lambda seq: iter(()), keep=[1])
-    op.start(3)
-    assert op.seq == 3 and op.steps is not None and op.build is None
     first, second = RuntimeError("first"), RuntimeError("second")
     finish(op, first)
     finish(op, second)
@@ -89,17 +84,30 @@ def test_finish_records_the_result_once_and_tells_on_fail_once():
     assert op.keep == [] and op.steps is None and not op.requests
 
 
-def test_start_builds_the_calls_with_the_serial_passed_in():
+def test_the_engine_stamps_then_builds_the_calls_with_the_serial_passed_in():
+    from mpi4py import MPI
+
+    from mpifusion.comm.engines import Engine
+
     seen = []
 
     def build(seq):
         seen.append(seq)
         return iter(())
 
-    op = Collective(Plan(), build)
-    assert seen == []
-    op.start(7)
-    assert seen == [7]
+    dup = MPI.COMM_SELF.Dup()
+    try:
+        engine = Engine(dup)
+        engine.seq = 7
+        ops = [Collective(Plan(), build) for _ in range(2)]
+        assert seen == []
+        for op in ops:
+            engine._stamp(op)
+        assert seen == [7, 8] and [op.seq for op in ops] == [7, 8]
+        assert all(op.build is None and op.steps is not None for op in ops)
+        engine.free_check()
+    finally:
+        dup.Free()
 
 
 class _Watched(Collective):
@@ -151,5 +159,5 @@ def test_run_time_writers_of_every_record_field(comm, monkeypatch, strategy, ord
             assert (module, function) == ("record", "__init__"), (name, module, function)
         else:
             assert module in {"engines", "record"}, (name, module, function)
-    assert any(name == "_error" and function == "finish" for name, _, function
+    assert any(name == "error" and function == "finish" for name, _, function
                in _Watched.writes)
