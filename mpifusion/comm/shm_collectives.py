@@ -530,11 +530,15 @@ def _open_reduction(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
 def _in_window_reduction(stream: ShmStream, plan: _Plan,
                          cross: Optional[_CrossPipe]) -> Steps:
     """Every array in the arena: each round summed straight from the peers' arrays, one
-    barrier at the end (``hierarchical``: its rounds one pipeline, flushed before it)."""
+    barrier at the end. ``hierarchical``: the inter-node pipeline is flushed at the end of
+    every round, as on a node that stages: the nodes' calls between them must be the same
+    and in the same order whether or not a node stages (flushed at the end only, a node in
+    its windows issued an all-gather after the next round's reduce-scatter where a staging
+    node issued it before: a wrong sum at 2 nodes, a hang at 3)."""
     for a, b in plan.rounds:
         yield from _reduce_round(stream, plan, a, b, cross)
-    if cross is not None:
-        yield from cross.flush()
+        if cross is not None:
+            yield from cross.flush()
     yield from _barrier(stream)
 
 

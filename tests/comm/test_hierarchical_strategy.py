@@ -178,16 +178,18 @@ def _lazy_land_until(inflight, keep):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("lazy", [False, True], ids=["landed-early", "landed-late"])
-@pytest.mark.parametrize("staged", [False, True], ids=["in-windows", "staged"])
+@pytest.mark.parametrize("staged", ["", "odd", "node"],
+                         ids=["in-windows", "staged", "one-node-staged"])
 @pytest.mark.parametrize("nodes,per", [(2, 2), (3, 2), (2, 4)], ids=lambda v: str(v))
 def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged, lazy,
                                                        monkeypatch):
     """The inter-node step as a pipeline (chunk k between the nodes while chunk k+1 is
     summed on the node) against the same collective one chunk at a time: random values,
-    every dtype, all-reduce, reduce and reduce-scatter, every array in a window (one
-    pipeline over all rounds) or plain arrays on odd ranks (staged: a small scratch, many
-    rounds, a flush at every round's end), calls landed as soon as they completed or as
-    late as the pipeline allows.
+    every dtype, all-reduce, reduce and reduce-scatter, every array in a window, plain
+    arrays on odd ranks (staged: a small scratch, many rounds), or plain arrays on the last
+    node only (one node stages, the others do not: their calls between the nodes must
+    still match), calls landed as soon as they completed or as late as the pipeline
+    allows.
     The bits must match each other and every rank's, and lie within fp32 (fp64) rounding of
     a float64 sum; the pipelined calls must have run with chunks in flight."""
     from mpifusion.comm import engines, shm_collectives
@@ -208,6 +210,7 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
     monkeypatch.setattr(shm_collectives._CrossPipe, "flush", flush)
     try:
         n, rank = sub.Get_size(), sub.Get_rank()
+        plain = staged == "odd" and rank % 2 or staged == "node" and rank // per == nodes - 1
         c = Communicator(sub, CommOptions(strategy="hierarchical", node_size=per,
                                           segment_bytes=2048))
         for dtype in (float32, np.dtype(np.float64), bfloat16, float16):
@@ -215,8 +218,7 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
                 draws = [np.random.default_rng([r, numel, 3]).standard_normal(numel)
                          for r in range(n)]
                 region = c.reserve([(numel, dtype)], np.empty(0))
-                x = (region[0] if region and (rank % 2 == 0 or not staged)
-                     else np.empty(numel, dtype))
+                x = region[0] if region and not plain else np.empty(numel, dtype)
                 results = []
                 for pipeline in (False, True):
                     monkeypatch.setattr(c, "options", c.options.with_(pipeline=pipeline))
@@ -245,8 +247,7 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
                 draws = [np.random.default_rng([r, numel, 5]).standard_normal(numel)
                          for r in range(n)]
                 region = c.reserve([(numel, dtype)], np.empty(0))
-                x = (region[0] if region and (rank % 2 == 0 or not staged)
-                     else np.empty(numel, dtype))
+                x = region[0] if region and not plain else np.empty(numel, dtype)
                 mine = slice(rank * shard, (rank + 1) * shard)
                 results = []
                 for pipeline in (False, True):
