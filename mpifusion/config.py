@@ -17,33 +17,11 @@ from typing import Any, Mapping, Optional
 
 from .errors import OptionError
 
-STRATEGY_ENV = "MPIFUSION_COMM_STRATEGY"
-SEGMENT_ENV = "MPIFUSION_SEGMENT_BYTES"
-TIMEOUT_ENV = "MPIFUSION_TIMEOUT"
-AGREEMENT_ENV = "MPIFUSION_CHECK_AGREEMENT"
-#: ``nonblocking``: how many segments of one collective are in flight at once
-WINDOW_ENV = "MPIFUSION_WINDOW"
 #: ``strict`` (collectives start in program order, verified) or ``negotiated`` (ranks agree)
-ORDER_ENV = "MPIFUSION_ORDER"
-#: strict order: check before each collective that every rank starts the same one
-VERIFY_ORDER_ENV = "MPIFUSION_VERIFY_ORDER"
 ORDERS = ("strict", "negotiated")
 #: how a segment is all-reduced: the library's collective, or mpifusion's ring of Isendrecv
-ALLREDUCE_ENV = "MPIFUSION_ALLREDUCE"
 ALLREDUCE_WAYS = ("auto", "mpi", "ring")
-#: ``shm``/``hierarchical``: ranks per node, to treat consecutive groups of ranks as nodes
-#: (emulated nodes on one machine); unset: the nodes MPI reports (COMM_TYPE_SHARED)
-NODE_SIZE_ENV = "MPIFUSION_NODE_SIZE"
-#: ``hierarchical``: the inter-node step as a pipeline (chunk k between the nodes while the
-#: node sums chunk k+1), for buffers from 256 KiB
-PIPELINE_ENV = "MPIFUSION_PIPELINE"
-#: NaN/Inf check before communication; Paddle's flag name works too.
-NANINF_ENV = ("MPIFUSION_CHECK_NANINF", "FLAGS_pp_check_naninf")
-CUDA_AWARE_ENV = "MPIFUSION_CUDA_AWARE"
-#: where ``mpifusion tune`` records the segment size per machine type (machine.py)
-TUNE_FILE_ENV = "MPIFUSION_TUNE_FILE"
 #: half <-> fp32 casts: auto (compiled kernel when built), kernel (required), numpy (plain casts)
-HALFCAST_ENV = "MPIFUSION_HALFCAST"
 HALFCAST_MODES = ("auto", "kernel", "numpy")
 
 STRATEGIES = ("thread", "nonblocking", "shm", "hierarchical")
@@ -62,6 +40,142 @@ MAX_WINDOW = 64
 #: Deadlines longer than this (about 31 years) mean "no deadline": waits take float seconds
 #: and threading/time functions overflow on huge values.
 MAX_TIMEOUT = 1e9
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: :data:`ENVIRONMENT` is the single list of them, which this
+    module's readers follow and from which the docs' table (docs/environment.md) is made
+    when the site is built. The texts are Markdown."""
+
+    name: str
+    #: what it sets: ``CommOptions.<field>`` (then :meth:`CommOptions.from_env` reads it into
+    #: that field), a keyword of ``FusedCommBuffer``, or another setting
+    option: str
+    #: what it takes
+    values: str
+    #: what applies when it is unset (or blank)
+    default: str
+    #: what it does, in one line
+    meaning: str
+    #: who reads it: ``mpifusion`` (the library, through this module) or a script's path
+    reader: str = "mpifusion"
+
+    @property
+    def field(self) -> str:
+        """The ``CommOptions`` field this variable is the default of ("" if none)."""
+        prefix = "CommOptions."
+        return self.option[len(prefix):] if self.option.startswith(prefix) else ""
+
+
+_BOOL = "a boolean: `1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`"
+_SBATCH = "scripts/mpifusion.sbatch"
+
+
+def _one_of(names: tuple) -> str:
+    return "one of " + ", ".join(f"`{n}`" for n in names)
+
+
+#: Every environment variable mpifusion reads (``reader="mpifusion"``: only this module reads
+#: them, as the documented defaults of the options they name) and those of the batch script
+#: ``scripts/mpifusion.sbatch``. ``tests/docs/test_environment_page.py`` checks that every
+#: ``MPIFUSION_`` name of the library and of that script is here.
+ENVIRONMENT = (
+    EnvVar("MPIFUSION_COMM_STRATEGY", "CommOptions.strategy",
+           _one_of(STRATEGIES + ("auto",)), f"`{DEFAULT_STRATEGY}`",
+           "how collectives run: `auto` takes `shm` on one node, `hierarchical` across nodes "
+           "of several ranks, else `thread`; `nonblocking` below MPI_THREAD_MULTIPLE"),
+    EnvVar("MPIFUSION_SEGMENT_BYTES", "CommOptions.segment_bytes",
+           "bytes, an int >= 0 (`1e6` too); `0`: one piece per buffer",
+           "the size `mpifusion tune` recorded for this machine type, else twice the "
+           "per-core L2 within 2-16 MiB",
+           "the size of the pieces a buffer is reduced in"),
+    EnvVar("MPIFUSION_TIMEOUT", "CommOptions.timeout",
+           "seconds > 0; `inf` (or more than 1e9): no deadline",
+           f"no deadline (`{_SBATCH}` sets 300 s, or half the job's time left)",
+           "the longest any wait may take: then `CommTimeoutError` naming the late ranks"),
+    EnvVar("MPIFUSION_CHECK_AGREEMENT", "CommOptions.check_agreement", _BOOL, "`1`",
+           "`0` leaves the params out of the construction-time comparison of what every rank "
+           "builds (the settings are always compared)"),
+    EnvVar("MPIFUSION_WINDOW", "CommOptions.window", f"an int in 1-{MAX_WINDOW}",
+           f"`{DEFAULT_WINDOW}`",
+           "`nonblocking`: how many segments of one collective are in flight at once"),
+    EnvVar("MPIFUSION_ORDER", "CommOptions.order", _one_of(ORDERS), f"`{ORDERS[0]}`",
+           "`strict`: collectives run in the order they are started, the same on every rank "
+           "(checked); `negotiated`: the ranks agree on the order at run time"),
+    EnvVar("MPIFUSION_VERIFY_ORDER", "CommOptions.verify_order", _BOOL, "`1`",
+           "`strict` order: check before each collective that every rank starts the same one; "
+           "`0` skips the check's all-reduce only where `shm`'s own rows compare the same"),
+    EnvVar("MPIFUSION_ALLREDUCE", "CommOptions.allreduce", _one_of(ALLREDUCE_WAYS),
+           f"`{ALLREDUCE_WAYS[0]}`",
+           "how a host buffer's segments are all-reduced: the library's call (`mpi`), a ring "
+           "of Isendrecv (`ring`), or `ring` for `nonblocking` on Open MPI (`auto`)"),
+    EnvVar("MPIFUSION_NODE_SIZE", "CommOptions.node_size", "an int >= 1",
+           "the nodes MPI reports",
+           "`shm`/`hierarchical`: ranks per node, consecutive ranks forming a node (emulated "
+           "nodes on one machine)"),
+    EnvVar("MPIFUSION_PIPELINE", "CommOptions.pipeline", _BOOL, "`0`",
+           "`hierarchical`: the step between nodes as a pipeline, for buffers from 256 KiB"),
+    EnvVar("MPIFUSION_CHECK_NANINF", "FusedCommBuffer(check_naninf=)", _BOOL, "`0`",
+           "check the grad buffer for NaN/Inf before communicating (`NanInfError` naming the "
+           "rank and params; nothing is sent)"),
+    EnvVar("FLAGS_pp_check_naninf", "FusedCommBuffer(check_naninf=)", _BOOL, "`0`",
+           "Paddle's name of the same switch: either variable turns the check on"),
+    EnvVar("MPIFUSION_CUDA_AWARE", "MPI given device memory", _BOOL,
+           "ask the MPI library",
+           "hand GPU buffers to MPI directly (`1`) or stage them through host memory (`0`)"),
+    EnvVar("MPIFUSION_TUNE_FILE", "the tune file", "a path",
+           "`$XDG_CACHE_HOME/mpifusion/tune.json`, else `~/.cache/mpifusion/tune.json`",
+           "where `mpifusion tune` records the best segment size per machine type, and jobs "
+           "read it"),
+    EnvVar("MPIFUSION_HALFCAST", "half-precision casts", _one_of(HALFCAST_MODES),
+           f"`{HALFCAST_MODES[0]}`",
+           "how fp16/bf16 segments are widened to fp32 and rounded back: the compiled kernel "
+           "when built (`auto`), the kernel or an error (`kernel`), numpy's casts (`numpy`); "
+           "the same bits"),
+    EnvVar("MPIFUSION_ARGS", "the batch job's arguments", "words split on spaces", "`run`",
+           "`python -m mpifusion`'s arguments, when the script is given none", _SBATCH),
+    EnvVar("MPIFUSION_VENV", "the batch job's venv", "a path", "none",
+           "a virtual environment (with mpifusion and mpi4py) to activate first", _SBATCH),
+    EnvVar("MPIFUSION_PYTHON", "the batch job's Python", "a command",
+           "`python`, else `python3`", "the Python that runs mpifusion", _SBATCH),
+    EnvVar("MPIFUSION_SRUN_MPI", "srun's `--mpi=`", "a PMI plugin name",
+           "from the MPI library mpi4py loads", "how srun starts the MPI ranks", _SBATCH),
+    EnvVar("MPIFUSION_CPU_BIND", "srun's `--cpu-bind=`", "a binding",
+           "cores where the cluster binds, else none", "how srun binds the ranks to cores",
+           _SBATCH),
+)
+
+
+def env_var(name: str) -> EnvVar:
+    """The definition of the variable ``name`` (``KeyError`` naming it if there is none)."""
+    for var in ENVIRONMENT:
+        if var.name == name:
+            return var
+    raise KeyError(f"{name}: not an environment variable of mpifusion.config.ENVIRONMENT")
+
+
+def _env_of(field: str) -> str:
+    """The variable that gives ``CommOptions.<field>`` its default."""
+    (name,) = [v.name for v in ENVIRONMENT if v.field == field]
+    return name
+
+
+STRATEGY_ENV = _env_of("strategy")
+SEGMENT_ENV = _env_of("segment_bytes")
+TIMEOUT_ENV = _env_of("timeout")
+AGREEMENT_ENV = _env_of("check_agreement")
+WINDOW_ENV = _env_of("window")
+ORDER_ENV = _env_of("order")
+VERIFY_ORDER_ENV = _env_of("verify_order")
+ALLREDUCE_ENV = _env_of("allreduce")
+NODE_SIZE_ENV = _env_of("node_size")
+PIPELINE_ENV = _env_of("pipeline")
+#: NaN/Inf check before communication; Paddle's flag name works too (either one turns it on)
+NANINF_ENV = tuple(v.name for v in ENVIRONMENT if v.option == "FusedCommBuffer(check_naninf=)")
+CUDA_AWARE_ENV = env_var("MPIFUSION_CUDA_AWARE").name
+TUNE_FILE_ENV = env_var("MPIFUSION_TUNE_FILE").name
+HALFCAST_ENV = env_var("MPIFUSION_HALFCAST").name
 
 _TRUE = ("1", "true", "yes", "on", "y", "t")
 _FALSE = ("0", "false", "no", "off", "n", "f", "")
@@ -215,19 +329,17 @@ def naninf_check_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     return any(parse_bool(environ.get(k, ""), k) for k in NANINF_ENV)
 
 
-# CommOptions field, its environment variable, its parser (in the order they are read)
-_ENV_FIELDS = (
-    ("strategy", STRATEGY_ENV, parse_strategy),
-    ("segment_bytes", SEGMENT_ENV, parse_segment_bytes),
-    ("timeout", TIMEOUT_ENV, parse_timeout),
-    ("check_agreement", AGREEMENT_ENV, parse_bool),
-    ("window", WINDOW_ENV, parse_window),
-    ("order", ORDER_ENV, parse_order),
-    ("verify_order", VERIFY_ORDER_ENV, parse_bool),
-    ("allreduce", ALLREDUCE_ENV, parse_allreduce),
-    ("node_size", NODE_SIZE_ENV, parse_node_size),
-    ("pipeline", PIPELINE_ENV, parse_bool),
-)
+#: the parser of each ``CommOptions`` field that a variable of :data:`ENVIRONMENT` sets
+_FIELD_PARSERS = {
+    "strategy": parse_strategy, "segment_bytes": parse_segment_bytes, "timeout": parse_timeout,
+    "check_agreement": parse_bool, "window": parse_window, "order": parse_order,
+    "verify_order": parse_bool, "allreduce": parse_allreduce, "node_size": parse_node_size,
+    "pipeline": parse_bool,
+}
+# CommOptions field, its environment variable, its parser (in ENVIRONMENT's order; a field
+# without a parser is a KeyError at import, never a variable silently left unread)
+_ENV_FIELDS = tuple((v.field, v.name, _FIELD_PARSERS[v.field])
+                    for v in ENVIRONMENT if v.field)
 
 
 @dataclass(frozen=True)
@@ -259,7 +371,15 @@ class CommOptions:
     256 KiB (chunk k between the nodes while the node sums chunk k+1; the same bits). Off by
     default: where the links' TCP work and the node's sums share the cores (the emulated
     cluster of one 2-core machine) it measured 1.1-1.35x slower than one chunk after the
-    other, as no core is left to overlap with.
+    other, as no core is left to overlap with. ``window``: with ``nonblocking``, how many
+    segments of one collective are in flight at once.
+
+    Every field is checked (and strings parsed) when the object is made; the environment
+    variables (``MPIFUSION_COMM_STRATEGY``, ``MPIFUSION_TIMEOUT`` ...) are only the defaults
+    :meth:`from_env` reads.
+
+    Raises:
+        OptionError: a field with a value it cannot take (names the field).
     """
 
     strategy: str = DEFAULT_STRATEGY
@@ -288,14 +408,26 @@ class CommOptions:
         object.__setattr__(self, "pipeline", parse_bool(self.pipeline, "pipeline"))
 
     def with_(self, **changes: Any) -> "CommOptions":
-        """A copy with some fields changed (``None`` values are ignored)."""
+        """A copy with some fields changed (``None`` values are ignored).
+
+        Args:
+            changes: ``field=value`` pairs, checked like the constructor's.
+        """
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None,
                  **overrides: Any) -> "CommOptions":
         """The documented defaults from the environment, then explicit ``overrides``
-        (arguments beat the environment; ``None`` overrides are ignored)."""
+        (arguments beat the environment; ``None`` overrides are ignored).
+
+        Args:
+            environ: the variables to read (default ``os.environ``).
+            overrides: fields that win over the environment.
+
+        Raises:
+            OptionError: a variable or override with a value it cannot take (names it).
+        """
         environ = os.environ if environ is None else environ
         fields: dict = {}
         for field, name, parse in _ENV_FIELDS:

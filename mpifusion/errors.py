@@ -56,7 +56,13 @@ class CommLimitError(CommError):
 class OracleMismatch(FusionError, AssertionError):
     """A checked implementation's results do not match the oracle's reference (names the params
     and ranks; ``report`` holds every statistic). An AssertionError too, so test runners show
-    it as a failed assertion."""
+    it as a failed assertion.
+
+    Args:
+        message: the report as text, first line the verdict.
+        report: the :class:`~mpifusion.oracle.CheckReport` (or ``StepsReport``); its
+            failing params and ranks are kept as ``params`` and ``ranks``.
+    """
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
@@ -68,7 +74,12 @@ class OracleMismatch(FusionError, AssertionError):
 class WeakCheckError(FusionError, AssertionError):
     """A check that passed on inputs that cannot reveal a missing reduction (the same inputs
     on every rank, or all zeros): a reducer that does nothing would pass it too. Raised by
-    ``assert_matches_reference`` and the pytest fixture unless ``allow_weak=True``."""
+    ``assert_matches_reference`` and the pytest fixture unless ``allow_weak=True``.
+
+    Args:
+        message: one line, why and how to fix the inputs.
+        report: the report of the check, kept as ``report``.
+    """
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
@@ -84,7 +95,12 @@ class OrderError(CommError):
     """Ranks started different collectives at the same point of a communicator's stream
     (another buffer, step, size or kind): every rank raises it. ``steps``: where the ranks
     started the same buffer's collective at different step serials, ``(lowest, highest)``
-    (a rank dropped a step; ``reset()`` then moves the buffer past ``highest``), else None."""
+    (a rank dropped a step; ``reset()`` then moves the buffer past ``highest``), else None.
+
+    Args:
+        message: what each rank started, by rank.
+        steps: as above.
+    """
 
     def __init__(self, message: str = "", steps: Optional[Tuple[int, int]] = None) -> None:
         super().__init__(message)

@@ -36,18 +36,27 @@ __all__ = [
     "normalize_dtype",
 ]
 
+#: the values of a spec's ``act`` (``"all_reduce"``, ``"reduce"``, ``"reduce_scatter"``)
 ACTS: tuple[str, ...] = ACT_NAMES
-DEFAULT_GROUP_SIZE = FUSED_GROUP_SIZE  # fused_parameters' default
+#: a spec's default ``group_size`` in bytes, ``fused_parameters``' default (256 MiB)
+DEFAULT_GROUP_SIZE = FUSED_GROUP_SIZE
 
 #: alias (fp16, bf16, double, ...) -> canonical name; the table of ``mpifusion.dtypes``
 DTYPE_ALIASES: dict[str, str] = dict(ALIAS_NAMES)
+#: canonical dtype name -> bytes per element
 ITEMSIZE: dict[str, int] = dict(ITEMSIZES)
 
 _Path = tuple[Any, ...]
 
 
 class SpecError(FusionError, ValueError):
-    """Invalid spec; ``source``, ``path`` and ``reason`` are kept for tools, ``str()`` is one line."""
+    """Invalid spec; ``source``, ``path`` and ``reason`` are kept for tools, ``str()`` is one line.
+
+    Args:
+        reason: what is wrong, one line (newlines are joined).
+        path: where in the spec: keys and list indices, e.g. ``("params", 3, "dtype")``.
+        source: the file (or ``"<spec dict>"``, ``"preset NAME"``) the spec came from.
+    """
 
     def __init__(self, reason: str, path: _Path = (), source: str | None = None) -> None:
         self.reason, self.path, self.source = " ".join(str(reason).splitlines()), tuple(path), source
@@ -55,7 +64,15 @@ class SpecError(FusionError, ValueError):
         super().__init__(": ".join(x for x in (source, loc, self.reason) if x))
 
     def within(self, *prefix: Any, source: str | None = None) -> SpecError:
-        """Re-anchor an error raised by an inner object at its place in the file."""
+        """Re-anchor an error raised by an inner object at its place in the file.
+
+        Args:
+            prefix: the keys and indices of the inner object, put before ``path``.
+            source: the file to name instead of the error's own (None keeps it).
+
+        Returns:
+            A new :class:`SpecError`; this one is unchanged.
+        """
         return SpecError(self.reason, (*prefix, *self.path), source if source is not None else self.source)
 
 
@@ -91,7 +108,18 @@ def _check_int(v: Any, field: str, minimum: int) -> int:
 
 
 def normalize_dtype(dtype: Any, field: str = "dtype") -> str:
-    """Map dtype aliases (fp16, bf16, double, ...) to one numpy-style name."""
+    """Map dtype aliases (fp16, bf16, double, ...) to one numpy-style name.
+
+    Args:
+        dtype: a dtype name or alias, any case.
+        field: the spec field to name in the error.
+
+    Returns:
+        The canonical name (``"float16"``, ``"bfloat16"``, ...).
+
+    Raises:
+        SpecError: an unknown dtype (the message lists the known ones).
+    """
     canon = DTYPE_ALIASES.get(dtype.lower()) if isinstance(dtype, str) else None
     if canon is None:
         names = ", ".join(sorted(set(DTYPE_ALIASES.values())))
@@ -113,15 +141,27 @@ def _check_keys(d: Mapping, allowed: tuple[str, ...], required: tuple[str, ...],
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One parameter; the flags mirror the Paddle attributes that decide fusion membership."""
+    """One parameter; the flags mirror the Paddle attributes that decide fusion membership.
 
+    Raises:
+        SpecError: a field with a value it cannot take.
+    """
+
+    #: the param's name, unique in the spec (printable characters only)
     name: str
+    #: the param's shape (non-negative ints)
     shape: tuple[int, ...]
+    #: the param's dtype, a name or alias (:func:`normalize_dtype`)
     dtype: str = "float32"
+    #: Paddle's ``trainable``; False leaves the param out of the buffers
     trainable: bool = True
+    #: Paddle's ``stop_gradient``; True leaves the param out of the buffers
     stop_gradient: bool = False
+    #: Paddle's ``is_distributed`` (a model-parallel param), split apart by ``fused_parameters``
     is_distributed: bool = False
+    #: Paddle's ``need_clip``, split apart by ``fused_parameters``
     need_clip: bool = True
+    #: whether weight decay applies (what ``apply_decay_param_fun`` would say)
     decay: bool = False
 
     def __post_init__(self) -> None:
@@ -145,21 +185,31 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of the param (the product of its shape)."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the param in its dtype (unpadded)."""
         return self.numel * ITEMSIZE[self.dtype]
 
     @classmethod
     def from_dict(cls, d: Any) -> ParamSpec:
-        """Build from a JSON object; errors carry a path relative to this entry."""
+        """Build from a JSON object; errors carry a path relative to this entry.
+
+        Args:
+            d: the entry's dict (``name``, ``shape`` and ``dtype`` required).
+
+        Raises:
+            SpecError: not a dict, a missing or unknown key, or a bad value.
+        """
         if not isinstance(d, Mapping):
             raise SpecError(f"expected an object, got {_show(d)}")
         _check_keys(d, _PARAM_FIELDS, ("name", "shape", "dtype"), ())
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON entry of the param, every field explicit (what :meth:`from_dict` reads)."""
         return {f: (list(self.shape) if f == "shape" else getattr(self, f)) for f in _PARAM_FIELDS}
 
 
@@ -168,15 +218,28 @@ _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(ParamSpec))
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """A full fusion scenario: parameters plus communication settings."""
+    """A full fusion scenario: parameters plus communication settings.
 
+    Raises:
+        SpecError: a field with a value it cannot take (checked however the spec is made:
+            from a file, a dict, or ``dataclasses.replace``).
+    """
+
+    #: the model's params (:class:`ParamSpec`), in the order the model lists them
     params: tuple[ParamSpec, ...]
+    #: the collective, one of :data:`ACTS`
     act: str = "all_reduce"
+    #: the number of ranks, or None to give it when planning or checking
     nranks: int | None = None
+    #: ``fused_parameters``' ``group_size``, bytes per buffer before it closes
     group_size: int = DEFAULT_GROUP_SIZE
+    #: fp32 main grads for half-precision params
     use_main_grad: bool = False
+    #: micro-steps per step
     acc_steps: int = 1
+    #: the root of ``"reduce"`` (a rank below ``nranks``); -1 otherwise
     dst: int = -1
+    #: whether the result is the mean over ranks (else the sum)
     average: bool = False
 
     def __post_init__(self) -> None:
@@ -219,11 +282,20 @@ class Spec:
 
     @property
     def numel(self) -> int:
+        """Elements of all params together (unpadded)."""
         return sum(p.numel for p in self.params)
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "<spec>") -> Spec:
-        """Build from parsed JSON; every error is prefixed with ``source`` and the field path."""
+        """Build from parsed JSON; every error is prefixed with ``source`` and the field path.
+
+        Args:
+            d: the spec's dict (the JSON layout: ``params`` required).
+            source: the name errors give the spec (a file name).
+
+        Raises:
+            SpecError: the first problem found.
+        """
         try:
             if not isinstance(d, Mapping):
                 raise SpecError(f"expected a JSON object at the top level, got {_show(d)}")
@@ -243,7 +315,17 @@ class Spec:
 
     @classmethod
     def from_preset(cls, name: str, *, dtype: str | None = None, **overrides: Any) -> Spec:
-        """Spec for a built-in preset; half-precision presets default to fp32 main grads."""
+        """Spec for a built-in preset; half-precision presets default to fp32 main grads.
+
+        Args:
+            name: a preset (``mpifusion presets`` lists them).
+            dtype: the params' dtype instead of the preset's.
+            overrides: other fields of the spec (``act``, ``nranks`` ...).
+
+        Raises:
+            PresetError: an unknown preset or dtype.
+            SpecError: an override with a value it cannot take.
+        """
         from .presets import get_preset  # local: presets must stay importable on its own
 
         params = get_preset(name, dtype)
@@ -257,7 +339,18 @@ class Spec:
 
     def plan(self, nranks: int | None = None) -> list:
         """Every buffer a job with this spec builds (``fused_parameters``'s order), planned
-        without MPI; ``nranks`` defaults to the spec's."""
+        without MPI; ``nranks`` defaults to the spec's.
+
+        Args:
+            nranks: the number of ranks to plan for (a reduce-scatter's shards need it).
+
+        Returns:
+            One planned buffer per buffer (its index, act, dtypes, params and layout),
+            what ``mpifusion layout`` prints.
+
+        Raises:
+            PlanError: params that cannot be fused, or no ``nranks`` for a reduce-scatter.
+        """
         from .plan.grouping import plan_model
 
         return plan_model(self.fused_params(), act=self.act, group_size=self.group_size,
@@ -278,7 +371,15 @@ _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(Spec))
 
 
 def load_spec(path: str | os.PathLike[str]) -> Spec:
-    """Read and validate a spec file; I/O and JSON errors become ``SpecError`` too, for one CLI error path."""
+    """Read and validate a spec file; I/O and JSON errors become ``SpecError`` too, for one
+    CLI error path.
+
+    Args:
+        path: the JSON file.
+
+    Raises:
+        SpecError: unreadable, not JSON, too large or too deep, or an invalid spec.
+    """
     source = os.fspath(path)
     try:  # a regular file only (a FIFO or a device would block or never end), bounded in size
         text = read_text(source)
@@ -300,8 +401,15 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
 
 
 def as_spec(spec: Any) -> Spec:
-    """A :class:`Spec` from a Spec, a dict (the JSON layout) or a JSON path: the one rule
-    every entry point that takes "a spec" follows."""
+    """A :class:`~mpifusion.spec.Spec` from a Spec, a dict (the JSON layout) or a JSON path:
+    the one rule every entry point that takes "a spec" follows.
+
+    Args:
+        spec: a Spec, a dict, or the path of a JSON spec file.
+
+    Raises:
+        SpecError: anything else, or an invalid spec.
+    """
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, Mapping):

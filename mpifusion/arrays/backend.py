@@ -260,6 +260,12 @@ def to_torch(arr: Any) -> Any:
     Writing into the tensor (``t += g``, ``t.copy_(g)``) writes into the fused buffer, which
     is how a framework accumulates grads straight into the bucket (DDP's
     ``gradient_as_bucket_view``). bfloat16 goes through its int16 bits.
+
+    Args:
+        arr: a numpy or cupy array (None gives None).
+
+    Returns:
+        The tensor, on the array's device, or None.
     """
     import torch
 

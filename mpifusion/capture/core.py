@@ -10,6 +10,8 @@ import numpy as np
 from ..dtypes import as_dtype
 from ..errors import FusionError
 
+__all__ = ["CaptureError", "Recorder"]
+
 
 class CaptureError(FusionError, ValueError):
     """A capture that cannot make a consistent dump (one line naming the rank and param)."""
@@ -48,7 +50,15 @@ class Recorder:
     """One rank's dump being built: local grads per micro-step (``in/{name}/{k}``), what the
     rank holds after the sync (``out/{name}``, with ``range/{name}`` for a 1-D piece), and the
     param all-gather (``shard/{name}`` before, ``param/{name}`` after). Arrays are copied in as
-    numpy (bfloat16 as ``ml_dtypes.bfloat16``), in the order params were declared."""
+    numpy (bfloat16 as ``ml_dtypes.bfloat16``), in the order params were declared.
+
+    Args:
+        rank: this rank (names the file, ``rank{r}.npz``).
+        nranks: the number of ranks, for :meth:`spec` (it may be given there instead).
+
+    Raises:
+        CaptureError: a rank that is not an int >= 0.
+    """
 
     def __init__(self, rank: int = 0, nranks: Optional[int] = None) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -62,7 +72,16 @@ class Recorder:
 
     # ---------------------------------------------------------------- recording
     def declare(self, name: str, shape: Iterable[int], dtype: Any) -> None:
-        """Name a param (global shape, param dtype): it appears in the spec in this order."""
+        """Name a param (global shape, param dtype): it appears in the spec in this order.
+
+        Args:
+            name: the param's name in the dump and the spec.
+            shape: its global shape (not a shard's).
+            dtype: its dtype (a name or a numpy dtype).
+
+        Raises:
+            CaptureError: ``name`` declared before with another shape or dtype.
+        """
         entry = (tuple(int(s) for s in shape), as_dtype(dtype).name)
         old = self._meta.get(name)
         if old is not None and old != entry:
@@ -78,7 +97,15 @@ class Recorder:
         return self._meta[name]
 
     def add_input(self, name: str, grad: np.ndarray) -> None:
-        """One micro-step's local gradient of ``name`` (param shape)."""
+        """One micro-step's local gradient of ``name`` (param shape).
+
+        Args:
+            name: a declared param.
+            grad: this rank's gradient before the sync (copied).
+
+        Raises:
+            CaptureError: an undeclared param, or a gradient of another shape.
+        """
         shape, _ = self._known(name)
         grad = np.array(grad, copy=True)
         if grad.shape != shape:
@@ -89,16 +116,40 @@ class Recorder:
     def set_output(self, name: str, value: np.ndarray,
                    range: Optional[tuple] = None) -> None:  # noqa: A002 - the dump's word
         """What the rank holds after the sync: the full grad, or (``range=(begin, end)`` of
-        the flattened param) its 1-D piece."""
+        the flattened param) its 1-D piece.
+
+        Args:
+            name: a declared param.
+            value: the synced gradient (copied).
+            range: where the piece lies in the flattened param.
+
+        Raises:
+            CaptureError: an undeclared param, or a value that fits neither the param nor
+                the range.
+        """
         self._put("out", name, value, range)
 
     def set_shard(self, name: str, value: np.ndarray, range: Optional[tuple] = None) -> None:  # noqa: A002
         """The rank's param shard before the all-gather (1-D; ``range`` as in set_output;
-        without it the checker cuts as Paddle's reduce-scatter buffer does)."""
+        without it the checker cuts as Paddle's reduce-scatter buffer does).
+
+        Args:
+            name: a declared param.
+            value: the shard (copied).
+            range: as above.
+        """
         self._put("shard", name, value, range)
 
     def set_param(self, name: str, value: np.ndarray) -> None:
-        """The full param after the all-gather (param shape)."""
+        """The full param after the all-gather (param shape).
+
+        Args:
+            name: a declared param.
+            value: the gathered param (copied).
+
+        Raises:
+            CaptureError: an undeclared param, or a value of another shape.
+        """
         shape, _ = self._known(name)
         value = np.array(value, copy=True)
         if value.shape != shape:
@@ -159,7 +210,11 @@ class Recorder:
         """Start training step ``k`` (call it before the step's first forward): forget what was
         recorded (the declared params stay), and make :meth:`save` write
         ``directory/step{k}/rank{r}.npz``, which ``check`` reads step by step, naming the
-        step that fails (and an accumulator not zeroed between steps). Returns self."""
+        step that fails (and an accumulator not zeroed between steps). Returns self.
+
+        Raises:
+            CaptureError: ``k`` is not an int >= 0.
+        """
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise CaptureError(f"rank {self.rank}: step: expected an int >= 0, got {k!r}")
         self.clear()
@@ -219,7 +274,11 @@ class Recorder:
     def save(self, directory: str) -> str:
         """Write ``rank{r}.npz`` into ``directory`` (``directory/step{k}/`` after
         :meth:`step`; bfloat16 as raw 2-byte values, which ``.npz`` can hold) and return its
-        path."""
+        path.
+
+        Raises:
+            CaptureError: an inconsistent record (see :meth:`to_dict`).
+        """
         if self.step_label is not None:
             directory = os.path.join(directory, f"step{self.step_label}")
         os.makedirs(directory, exist_ok=True)
@@ -235,7 +294,18 @@ class Recorder:
              nranks: Optional[int] = None, **fields: Any) -> dict:
         """The spec of this dump (JSON-ready): the recorded params with their global shapes
         and dtypes, ``acc_steps`` as recorded, ``nranks`` (default: the capture's), and any
-        other spec field (``dst``, ``use_main_grad``, ``group_size``)."""
+        other spec field (``dst``, ``use_main_grad``, ``group_size``).
+
+        Args:
+            act: the collective the dumps come from (``"all_reduce"``, ``"reduce"``,
+                ``"reduce_scatter"``); ``"reduce"`` defaults ``dst`` to 0.
+            average: whether the synced result is the mean over ranks.
+            nranks: as above.
+            fields: other spec fields, as above.
+
+        Raises:
+            CaptureError: ``nranks`` unknown, or nothing recorded yet.
+        """
         nranks = nranks if nranks is not None else self.nranks
         if nranks is None:
             raise CaptureError("nranks: unknown (pass nranks= to the capture or to spec())")
@@ -257,7 +327,8 @@ class Recorder:
         return doc
 
     def save_spec(self, path: str, act: str = "all_reduce", **kwargs: Any) -> str:
-        """Write :meth:`spec` as JSON to ``path`` (for ``mpifusion check --spec``)."""
+        """Write :meth:`spec` as JSON to ``path`` (for ``mpifusion check --spec``); ``act``
+        and ``kwargs`` go to :meth:`spec`. Returns ``path``."""
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.spec(act, **kwargs), f, indent=1)
         return path

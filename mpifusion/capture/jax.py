@@ -16,6 +16,8 @@ import numpy as np
 
 from .core import CaptureError, Recorder
 
+__all__ = ["JaxCapture"]
+
 
 def _leaves(tree: Any, where: str = "grads") -> list:
     """``[(name, path, leaf)]`` in pytree order: names joined from the key paths with "/",
@@ -52,7 +54,12 @@ def to_numpy(x: Any) -> np.ndarray:
 class JaxCapture(Recorder):
     """Record one rank's JAX gradient step: ``add_micro_step(grads)`` per micro-step,
     ``set_outputs(synced_grads)`` after the sync; then ``to_dict()``, ``save(dir)``,
-    ``spec()``."""
+    ``spec()``.
+
+    Args:
+        rank: this rank (one process per rank), or the device (see :meth:`stacked`).
+        nranks: the number of ranks, for :meth:`~mpifusion.capture.Recorder.spec`.
+    """
 
     def __init__(self, rank: int = 0, nranks: Optional[int] = None) -> None:
         super().__init__(rank, nranks)
@@ -95,7 +102,15 @@ class JaxCapture(Recorder):
     def stacked(cls, micro_steps: list, synced: Any) -> list:
         """Records for a single-process run over several devices: every leaf of each
         micro-step's grads and of ``synced`` has a leading device axis (``pmap`` outputs);
-        device ``d`` becomes rank ``d``. Returns one :class:`JaxCapture` per device."""
+        device ``d`` becomes rank ``d``. Returns one :class:`JaxCapture` per device.
+
+        Args:
+            micro_steps: one grads pytree per micro-step, as above.
+            synced: the synced grads, as above.
+
+        Raises:
+            CaptureError: no micro-steps, or leaves without one common device axis.
+        """
         if not micro_steps:
             raise CaptureError("micro_steps: expected at least one grads pytree")
         first = _leaves(micro_steps[0], "micro_steps[0]")

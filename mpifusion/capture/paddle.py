@@ -17,6 +17,8 @@ import numpy as np
 
 from .core import CaptureError, Recorder
 
+__all__ = ["PaddleCapture"]
+
 #: the grad-hook ids PaddleCapture registered on a param: ``(grad node pointer, {ids})``
 _OWN_HOOKS = "_mpifusion_capture_hook_ids"
 
@@ -48,7 +50,15 @@ class PaddleCapture(Recorder):
     names from ``named_parameters``; a list of params, e.g. a buffer's: their ``.name``, as
     ``FusedCommBuffer`` keys them); run ``acc_steps`` backwards; ``record_outputs()`` after
     ``scale_grads`` (or DataParallel's backward); then ``to_dict()``, ``gather()``,
-    ``save(dir)``, ``spec()``. ``attr="main_grad"`` reads fp32 main grads as the output."""
+    ``save(dir)``, ``spec()``. ``attr="main_grad"`` reads fp32 main grads as the output.
+
+    Args:
+        params: a ``paddle.nn.Layer`` or a list of params; those with ``stop_gradient``
+            are left out.
+        rank: this rank (default: paddle.distributed's, else 0).
+        nranks: the number of ranks (default: paddle.distributed's world size, else 1).
+        attr: the param attribute read as the synced output.
+    """
 
     def __init__(self, params: Any, *, rank: Optional[int] = None,
                  nranks: Optional[int] = None, attr: str = "grad") -> None:

@@ -23,6 +23,8 @@ import numpy as np
 
 from .core import CaptureError, Recorder
 
+__all__ = ["TorchCapture", "spawn"]
+
 
 def to_numpy(t: Any) -> np.ndarray:
     """A numpy copy of a tensor (DTensor: its local part; bfloat16 as ml_dtypes.bfloat16)."""
@@ -77,7 +79,21 @@ class TorchCapture(Recorder):
     ``attr`` names the grad to read as the output (``"main_grad"`` for Megatron-style fp32
     main grads). The inputs are what the tensor hooks see, so where a framework writes the
     weight grads straight into ``main_grad`` (Megatron's ``gradient_accumulation_fusion``)
-    no hook sees them: record such a model with the fusion off."""
+    no hook sees them: record such a model with the fusion off.
+
+    Args:
+        model: the module (or its DDP wrapper, or an FSDP2 module); every param that
+            requires a grad is recorded, by its ``named_parameters`` name.
+        rank: this rank (default: torch.distributed's, else 0).
+        nranks: the number of ranks (default: torch.distributed's world size, else 1).
+        attr: the param attribute read as the synced output.
+        gather: FSDP2: also record each param's shard and the gathered param at every
+            forward, so the check covers the all-gather too.
+
+    Raises:
+        CaptureError: FSDP2 mixed precision that changes a param's dtype (the reduction
+            would not be in the param's dtype); no hook is left behind.
+    """
 
     def __init__(self, model: Any, *, rank: Optional[int] = None,
                  nranks: Optional[int] = None, attr: str = "grad", gather: bool = False) -> None:
@@ -288,9 +304,26 @@ def spawn(fn: Any, args: tuple = (), nprocs: int = 1, **kwargs: Any) -> Any:
       capture (``CaptureError``) raises that error here, its message (the report) prefixed
       with the rank, instead of a ``ProcessRaisedException`` whose traceback hides the
       report a hundred lines down (any other failure propagates unchanged);
-    - a rank whose ``fn`` returned exits without the interpreter's teardown (see
-      :func:`_run_rank`): its ``atexit`` handlers do not run, so ``fn`` writes and closes
-      what it keeps (files, logs) before it returns."""
+    - a rank whose ``fn`` returned exits without the interpreter's teardown (``os._exit``:
+      torch's C++ teardown after ``destroy_process_group`` aborts a gloo rank now and then):
+      its ``atexit`` handlers do not run, so ``fn`` writes and closes what it keeps (files,
+      logs) before it returns.
+
+    Args:
+        fn: called as ``fn(rank, *args)`` in each process.
+        args: the arguments after the rank.
+        nprocs: the number of processes (ranks).
+        kwargs: ``torch.multiprocessing.spawn``'s other arguments (``join``, ...).
+
+    Returns:
+        What ``torch.multiprocessing.spawn`` returns (None, or its context with
+        ``join=False``).
+
+    Raises:
+        OracleMismatch: a rank's check failed (the report, prefixed with the rank).
+        WeakCheckError: a rank's check ran on inputs too weak to tell.
+        CaptureError: a rank's capture could not make a consistent dump.
+    """
     import torch.multiprocessing as mp
 
     from ..errors import OracleMismatch, WeakCheckError

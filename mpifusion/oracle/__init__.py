@@ -40,7 +40,15 @@ def assert_matches_reference(spec: Any, dumps: Any, *, allow_weak: bool = False,
 
 def plot_report(report: CheckReport, path: str) -> str:
     """Draw error/bound per param and rank into ``path`` (needs matplotlib); returns the file
-    written: ``path``, plus ``.png`` when it has no extension (a directory is refused)."""
+    written: ``path``, plus ``.png`` when it has no extension (a directory is refused).
+
+    Args:
+        report: a :class:`CheckReport` (of :func:`check`).
+        path: the image file; its extension picks the format.
+
+    Raises:
+        PlotError: matplotlib missing, a directory, or a file that cannot be written.
+    """
     from .plot import plot_report as _plot
 
     return _plot(report, path)

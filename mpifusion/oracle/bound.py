@@ -44,12 +44,23 @@ _UNDERFLOW = {"float64": 2.0 ** -1075, "float32": 2.0 ** -150, "float16": 2.0 **
 
 
 def unit_roundoff(dtype: object) -> float:
-    """``u`` of a floating dtype: the largest relative error of one rounding to nearest."""
+    """``u`` of a floating dtype: the largest relative error of one rounding to nearest.
+
+    Args:
+        dtype: float64, float32, float16 or bfloat16 (a name or a numpy dtype).
+
+    Returns:
+        ``2**-53``, ``2**-24``, ``2**-11`` or ``2**-8``.
+    """
     return _UNIT_ROUNDOFF[as_dtype(dtype).name]
 
 
 def reduce_dtype(grad_dtype: object) -> str:
-    """The dtype a collective sums in: fp64 stays fp64, everything else is summed in fp32."""
+    """The dtype a collective sums in: fp64 stays fp64, everything else is summed in fp32.
+
+    Args:
+        grad_dtype: the dtype of the grads sent (a name or a numpy dtype).
+    """
     return "float64" if as_dtype(grad_dtype).name == "float64" else "float32"
 
 
@@ -57,8 +68,11 @@ def reduce_dtype(grad_dtype: object) -> str:
 class BoundModel:
     """The constants of :func:`error_bound` for one sync, kept for reports."""
 
-    rel: float      # multiplies c * sum|x|
-    absolute: float  # added once: underflow (subnormal) roundings
+    #: ``theta/(1-theta)``, which multiplies ``c * sum|x|``
+    rel: float
+    #: ``eta``, added once for the roundings that land in the subnormal range
+    absolute: float
+    #: the bound written out with its counts of roundings, for reports
     formula: str
 
 
@@ -77,7 +91,19 @@ def _max_acc_steps(acc: str, red: str, n_red: int, nranks: int) -> int:
 def bound_model(*, grad_dtype: object, nranks: int, acc_steps: int, average: bool,
                 exact_reference: bool = False) -> BoundModel:
     """The two constants of the bound (see :func:`error_bound`); ``exact_reference``: the
-    reference is the exactly rounded one (no float64 roundings of its own to allow for)."""
+    reference is the exactly rounded one (no float64 roundings of its own to allow for).
+
+    Args:
+        grad_dtype: the dtype the grads are accumulated in.
+        nranks: the ranks whose grads are reduced.
+        acc_steps: micro-steps per step.
+        average: the result is the mean over ranks (else the sum).
+        exact_reference: as above.
+
+    Raises:
+        OptionError: so many roundings that the bound would be as large as the result
+            (even 0 would pass); the message says how many micro-steps would do.
+    """
     acc = as_dtype(grad_dtype).name
     red = reduce_dtype(acc)
     u_acc, u_red = _UNIT_ROUNDOFF[acc], _UNIT_ROUNDOFF[red]
@@ -132,7 +158,7 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
         eta   = (n_acc + [average and half] * (R - 1)) * underflow(grad dtype)
                 + n_red * underflow(reduce dtype) + n_ref * underflow(float64)
 
-    With ``ref_error`` (:class:`~.exact.ExactResult.error`: per element a bound on
+    With ``ref_error`` (``ExactResult.error`` of the exact reference: per element a bound on
     ``|V - ref|``, 0 where the exactly rounded reference equals the exact ``V``) the
     reference is exact but for its one rounding to the grad dtype: ``n_ref = 0`` and
     ``ref_error`` is added, since ``|out - ref| <= |out - V| + |V - ref|``.
@@ -143,10 +169,25 @@ def error_bound(abs_sum: np.ndarray, *, grad_dtype: object, nranks: int, acc_ste
     absolute. For one rank, one micro-step and no average the bound is 0: the result must be
     bit-exact.
 
-    Non-finite ``abs_sum`` (see :class:`ReferenceSum`) passes through: ``inf`` (the inputs
-    hold Inf/NaN: the output must match the reference's Inf/NaN) stays ``inf``, and ``NaN``
+    Non-finite ``abs_sum`` (see :class:`~mpifusion.oracle.bound.ReferenceSum`) passes
+    through: ``inf`` (the inputs hold Inf/NaN: the output must match the reference's
+    Inf/NaN) stays ``inf``, and ``NaN``
     (the float64 sums overflowed with finite inputs) stays ``NaN``, which every comparison
     treats as a failure. Neither is ever an infinite tolerance for a finite reference.
+
+    Args:
+        abs_sum: ``sum|x|`` per element, as above.
+        grad_dtype: the dtype the grads are accumulated in.
+        nranks: ``R``, the ranks whose grads are reduced.
+        acc_steps: ``K``, micro-steps per step.
+        average: the result is the mean over ranks (``c = 1/R``).
+        ref_error: as above (None: a float64 reference).
+
+    Returns:
+        The bound per element, float64, of ``abs_sum``'s shape.
+
+    Raises:
+        OptionError: too many roundings to check (:func:`bound_model`).
     """
     model = bound_model(grad_dtype=grad_dtype, nranks=nranks, acc_steps=acc_steps,
                         average=average, exact_reference=ref_error is not None)
@@ -179,7 +220,15 @@ def as_native(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
 def as_float64(arr: np.ndarray, dtype_hint: Optional[str] = None) -> np.ndarray:
     """A float64 copy of ``arr``; raw 2-byte void/uint16 data is read as bfloat16 bits when
     ``dtype_hint`` says bfloat16 (numpy's .npz cannot name the bfloat16 dtype), and refused
-    otherwise (the same bytes are other numbers in fp16)."""
+    otherwise (the same bytes are other numbers in fp16).
+
+    Args:
+        arr: a float array (or raw 2-byte data, as above).
+        dtype_hint: the param's dtype in the spec.
+
+    Raises:
+        ValueError: raw 2-byte data for a param that is not bfloat16.
+    """
     return as_native(arr, dtype_hint).astype(np.float64)
 
 
@@ -203,26 +252,40 @@ class ErrorStats:
     finite and within the bound (a NaN ``err/bound`` fails); where the reference is +inf,
     -inf or NaN (the inputs held Inf/NaN), the output must be the same (same sign for inf);
     where the reference or ``sum|x|`` overflows although every input is finite (its
-    bound is NaN, :class:`ReferenceSum`), the element cannot be checked and fails as
-    ``overflow``: it is never given an infinite bound.
+    bound is NaN, :class:`~mpifusion.oracle.bound.ReferenceSum`), the element cannot be
+    checked and fails as ``overflow``: it is never given an infinite bound.
     """
 
+    #: the param's name
     name: str
+    #: elements compared, over every rank
     compared: int = 0
+    #: the largest ``|out - ref|``
     max_abs: float = 0.0
-    max_rel: float = 0.0    # over elements whose reference is not 0
-    max_ratio: float = 0.0  # max |err| / bound; > 1 fails; inf for any failing element
+    #: the largest ``|out - ref| / |ref|``, over elements whose reference is not 0
+    max_rel: float = 0.0
+    #: the largest ``|err| / bound``; above 1 fails; inf for any failing element
+    max_ratio: float = 0.0
+    #: the rank of the largest ratio (None before any comparison, or without ranks)
     worst_rank: Optional[int] = None
-    nonfinite: int = 0      # Inf/NaN outputs where the reference is finite
-    nonfinite_ref: int = 0  # elements whose reference is Inf/NaN (Inf/NaN in the inputs)
-    mismatched: int = 0     # ... of which the output is not the same Inf/NaN
-    overflow: int = 0       # reference or sum|x| overflows with finite inputs
-    beyond: int = 0         # finite outputs farther from the reference than the bound
-    beyond_ratio: float = 0.0  # max |err| / bound over those finite comparisons only
-    first_failure: Optional[str] = None  # the first failing element, for the report
+    #: Inf/NaN outputs where the reference is finite
+    nonfinite: int = 0
+    #: elements whose reference is Inf/NaN (Inf/NaN in the inputs)
+    nonfinite_ref: int = 0
+    #: of those, the elements whose output is not the same Inf/NaN
+    mismatched: int = 0
+    #: elements whose reference or ``sum|x|`` overflows with finite inputs
+    overflow: int = 0
+    #: finite outputs farther from the reference than the bound
+    beyond: int = 0
+    #: the largest ``|err| / bound`` over those finite comparisons only
+    beyond_ratio: float = 0.0
+    #: the first failing element, for the report
+    first_failure: Optional[str] = None
 
     @property
     def ok(self) -> bool:
+        """Whether every element compared passes (the rule above)."""
         return (self.max_ratio <= 1.0 and not self.nonfinite and not self.mismatched
                 and not self.overflow and not self.beyond)
 
@@ -252,7 +315,9 @@ class ErrorStats:
         """Fold one comparison into the stats: ``out``, ``ref`` and ``bound`` of one size
         (``bound`` from :func:`error_bound`: NaN where the reference overflowed, inf where the
         inputs held Inf/NaN; ``overflow`` may mark overflowed elements explicitly, as
-        :attr:`ReferenceSum.overflow`); ``offset`` is the index of element 0 in the param."""
+        :attr:`~mpifusion.oracle.bound.ReferenceSum.overflow`); ``offset`` is the index of
+        element 0 in the param; ``rank``, whose output ``out`` is (for
+        :attr:`worst_rank` and the first failure's text)."""
         out = np.asarray(out, dtype=np.float64).reshape(-1)
         ref = np.asarray(ref, dtype=np.float64).reshape(-1)
         bound = np.asarray(bound, dtype=np.float64).reshape(-1)
@@ -333,7 +398,11 @@ class ErrorStats:
                                   f"output {_num(out[i])}, bound {_num(bound[i])}")
 
     def merge(self, other: "ErrorStats") -> None:
-        """Fold another rank's stats of the same param into these."""
+        """Fold another rank's stats of the same param into these.
+
+        Args:
+            other: the stats to add (unchanged).
+        """
         if other.max_ratio > self.max_ratio or self.worst_rank is None:
             self.worst_rank = other.worst_rank
         for name in ("compared", "nonfinite", "nonfinite_ref", "mismatched", "overflow",
@@ -349,9 +418,10 @@ class ErrorStats:
 
 class ReferenceSum:
     """The float64 sum and ``sum|x|`` of the terms fed in, one term at a time (three arrays
-    of the param's size), with the marks :func:`error_bound` and :class:`ErrorStats` read:
-    ``absolute`` is ``inf`` where an input is Inf/NaN and ``NaN`` where the sums overflow
-    although every input is finite (the reference cannot be trusted there)."""
+    of the param's size), with the marks :func:`~mpifusion.oracle.error_bound` and
+    :class:`~mpifusion.oracle.ErrorStats` read: ``absolute`` is ``inf`` where an input is
+    Inf/NaN and ``NaN`` where the sums overflow although every input is finite (the
+    reference cannot be trusted there)."""
 
     def __init__(self) -> None:
         self._total: Optional[np.ndarray] = None
@@ -411,7 +481,15 @@ class ReferenceSum:
 
 def summed(terms: Iterable[np.ndarray]) -> tuple:
     """``(sum, sum of |x|)`` of float64 arrays, for the reference and its bound (marks as in
-    :class:`ReferenceSum`: ``inf`` for Inf/NaN inputs, ``NaN`` for overflow)."""
+    :class:`~mpifusion.oracle.bound.ReferenceSum`: ``inf`` for Inf/NaN inputs, ``NaN`` for
+    overflow).
+
+    Args:
+        terms: the arrays to sum (one shape), at least one.
+
+    Raises:
+        ValueError: no terms.
+    """
     acc = ReferenceSum()
     for x in terms:
         acc.add(x)
@@ -419,7 +497,11 @@ def summed(terms: Iterable[np.ndarray]) -> tuple:
 
 
 def format_ratio(ratio: float) -> str:
-    """A short human form of ``err/bound``."""
+    """A short human form of ``err/bound``.
+
+    Args:
+        ratio: the ratio (inf and NaN read ``"inf"``: both fail).
+    """
     if math.isinf(ratio) or math.isnan(ratio):
         return "inf"
     return f"{ratio:.3g}"

@@ -202,15 +202,29 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False,
 
     ``spec``: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path. ``dumps``: a
     directory of ``rank{r}.npz``, or a list (rank order) of ``.npz`` paths or dicts of arrays;
-    ``mpifusion.oracle.check`` (this function behind :func:`~.steps.check`) checks a
-    directory of ``step{k}/`` folders step by step (:func:`~.steps.check_steps`, which
-    returns a :class:`~.steps.StepsReport`).
+    ``mpifusion.oracle.check`` checks a directory of ``step{k}/`` folders step by step
+    (:func:`~mpifusion.oracle.check_steps`, which returns a
+    :class:`~mpifusion.oracle.StepsReport`).
     ``reduce_avg``: the implementation averaged inside the collective (Paddle's
     ``use_reduce_avg``), so non-root ranks of ``reduce`` keep their unscaled local sum.
-    ``exact``: the inputs are exact in every order (:func:`~.inputs.exact_inputs`; refused
-    otherwise), so the result must match bit for bit (a non-power-of-two mean: its rounding).
-    Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank and key);
-    a mismatch does not raise: see ``report.ok`` and ``report.raise_for_failure()``.
+    ``exact``: the inputs are exact in every order (:func:`~mpifusion.oracle.exact_inputs`;
+    refused otherwise), so the result must match bit for bit (a non-power-of-two mean: its
+    rounding). Bad input raises ``DumpError``/``SpecError`` (one line naming the file or rank
+    and key); a mismatch does not raise: see ``report.ok`` and ``report.raise_for_failure()``.
+
+    Args:
+        spec: as above.
+        dumps: as above.
+        reduce_avg: as above.
+        exact: as above.
+
+    Returns:
+        A :class:`~mpifusion.oracle.CheckReport` (a :class:`~mpifusion.oracle.StepsReport`
+        for a directory of steps).
+
+    Raises:
+        DumpError: dumps that cannot be read or do not fit the spec.
+        SpecError: an invalid spec.
     """
     import dataclasses
 
@@ -230,7 +244,12 @@ def check(spec: Any, dumps: DumpsLike, *, reduce_avg: bool = False,
 
 
 def check_dump(spec: Any, directory: str) -> CheckReport:
-    """``check`` of a directory (kept for callers of the first API)."""
+    """``check`` of a directory (kept for callers of the first API).
+
+    Args:
+        spec: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path.
+        directory: a folder of ``rank{r}.npz``.
+    """
     return check(spec, directory)
 
 

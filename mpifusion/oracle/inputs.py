@@ -82,16 +82,26 @@ class ExactPattern:
     """Where each contribution of one param sits: :func:`exact_pattern` builds it; every
     method takes elements ``[lo, hi)`` of the flattened param, so shards cost their size."""
 
+    #: the param's name
     name: str
+    #: elements of the param
     numel: int
+    #: the param's dtype (the inputs are fed in it)
     param_dtype: str
+    #: the dtype the grads are summed in (fp32 with main grads)
     grad_dtype: str
+    #: ranks of the sync
     nranks: int
+    #: micro-steps per step
     acc_steps: int
-    width: int      # W: slots per element (the window of powers of two)
-    held: int       # c = min(N, W): contributions per element
-    e_range: tuple  # (lo, hi) of the element exponent E_i, both included
-    key: int        # 64-bit hash of (seed, name)
+    #: ``W``, slots per element (the window of powers of two)
+    width: int
+    #: ``c = min(N, W)``, contributions per element
+    held: int
+    #: ``(lo, hi)`` of the element exponent ``E_i``, both included
+    e_range: tuple
+    #: the 64-bit hash of ``(seed, name)`` the signs and exponents come from
+    key: int
 
     @property
     def contributions(self) -> int:
@@ -163,7 +173,7 @@ class ExactPattern:
 
     def decode(self, output: Any, *, divisor: int = 1, offset: int = 0) -> "Contributions":
         """Which contributions ``output`` (elements ``offset ..`` of the result, in any float
-        dtype) holds: see :func:`decode_contributions`."""
+        dtype) holds: see :func:`decode_contributions` (``divisor`` likewise)."""
         out = np.asarray(output).reshape(-1)
         lo, hi = self._span(offset, offset + out.size)
         terms = np.stack([self.contribution(j, lo, hi) for j in range(self.contributions)])
@@ -178,10 +188,15 @@ class Contributions:
     of them (a doubled contribution, a value from elsewhere, a rounding: then ``present`` is
     all False)."""
 
+    #: elements x contributions, True where the element was built from it
     held: np.ndarray
+    #: elements x contributions, True where the output holds it
     present: np.ndarray
+    #: per element, False where the output is no subset of its contributions
     valid: np.ndarray
+    #: micro-steps per step (``j = rank * acc_steps + k``)
     acc_steps: int
+    #: the param index of row 0 (a shard's first element)
     offset: int = 0
 
     def source(self, j: int) -> tuple:
@@ -214,7 +229,12 @@ def decode_inputs(inputs: Any, output: Any, *, divisor: int = 1, acc_steps: int 
     ``nranks`` for a mean. Where an element's nonzero inputs are distinct powers of two,
     either sign (as :func:`exact_inputs` makes them), the output counted in the smallest
     of them is a signed sum of distinct bits, one per input present; elements whose inputs
-    are not so, or whose output is no such sum, are not ``valid``."""
+    are not so, or whose output is no such sum, are not ``valid``. ``acc_steps`` maps a row
+    to its rank and micro-step; ``offset`` is the param index of element 0 (a shard).
+
+    Raises:
+        OptionError: inputs and output of different sizes, or a divisor below 1.
+    """
     divisor = _int(divisor, "divisor", 1)
     x = np.asarray(inputs, dtype=np.float64)
     out = np.asarray(output).astype(np.float64).reshape(-1)
@@ -262,7 +282,17 @@ def _window(param_dtype: str, grad_dtype: str, nranks: int, name: str) -> tuple:
 
 def exact_pattern(spec: Any, name: str, *, seed: int = 0) -> ExactPattern:
     """The :class:`ExactPattern` of param ``name`` (a fused param of ``spec``, which must
-    give ``nranks``): what :func:`exact_inputs` feeds and how to decode a result."""
+    give ``nranks``): what :func:`exact_inputs` feeds and how to decode a result.
+
+    Args:
+        spec: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path.
+        name: a fused param of the spec.
+        seed: varies the signs and exponents (the same seed, the same inputs).
+
+    Raises:
+        OptionError: no ``nranks`` in the spec, an unknown param, or dtypes whose range
+            cannot hold exact sums over so many ranks.
+    """
     spec = as_spec(spec)
     seed = _int(seed, "seed", 0)
     if spec.nranks is None:
@@ -288,7 +318,11 @@ def exact_inputs(spec: Any, rank: int, step: int, *, seed: int = 0) -> dict:
     param dtype (as backward gives them; fp32 main grads take them exactly). Every partial
     sum over ranks and micro-steps, in any order, is exact in the grad dtype, so a correct
     sync matches ``check(..., exact=True)`` bit for bit. Deterministic in (spec, rank, step,
-    seed); vary ``seed`` between training steps."""
+    seed); vary ``seed`` between training steps.
+
+    Raises:
+        OptionError: no ``nranks`` in the spec, or ``rank``/``step`` out of range.
+    """
     spec = as_spec(spec)
     pats = [exact_pattern(spec, p.name, seed=seed) for p in spec.fused_params()]
     rank = _int(rank, "rank", 0, spec.nranks)
@@ -302,7 +336,8 @@ def exact_inputs(spec: Any, rank: int, step: int, *, seed: int = 0) -> dict:
 
 def exact_sum(spec: Any, name: str, *, seed: int = 0) -> tuple:
     """``(sum, sum|x|)`` of param ``name`` over every rank and micro-step of
-    :func:`exact_inputs` (float64, exact, param shape): the sum a correct sync holds."""
+    :func:`exact_inputs` (float64, exact, param shape): the sum a correct sync holds.
+    ``spec`` and ``seed`` as given to :func:`exact_inputs`."""
     spec = as_spec(spec)
     pat = exact_pattern(spec, name, seed=seed)
     shape = next(p.shape for p in spec.fused_params() if p.name == name)
@@ -316,7 +351,12 @@ def decode_contributions(spec: Any, name: str, output: Any, *, seed: int = 0,
     of :func:`exact_inputs` with this ``seed``: ``output`` is param ``name``'s result (flat
     elements from ``offset``: a shard), ``divisor`` ``nranks`` for a mean. Exact for sums and
     power-of-two means; for other divisors the output is rounded to the nearest quantum
-    first (right while the mean's rounding stays below a quarter of one)."""
+    first (right while the mean's rounding stays below a quarter of one). ``spec`` as given
+    to :func:`exact_inputs`.
+
+    Returns:
+        A :class:`Contributions` (``missing()``, ``describe(element)``).
+    """
     divisor = _int(divisor, "divisor", 1)
     return exact_pattern(spec, name, seed=seed).decode(output, divisor=divisor, offset=offset)
 
@@ -347,7 +387,13 @@ def exact_tolerance(mean: Any, abs_sum: Any, *, grad_dtype: Any, nranks: int, av
     contribution / n, thanks to the two spare bits), ``gamma(k) = k*u/(1 - k*u)`` with ``u``
     the grad dtype's unit roundoff; plus the float64 reference's own rounding (2**-52 of it)
     and half a subnormal per rounding.
-    ``inf``/NaN in ``abs_sum`` (Inf/NaN inputs, overflow) pass through, as in error_bound."""
+    ``inf``/NaN in ``abs_sum`` (Inf/NaN inputs, overflow) pass through, as in error_bound.
+    ``grad_dtype`` is the dtype the sum is taken in; ``average`` whether the result is the
+    mean (else the sum, always exact).
+
+    Raises:
+        OptionError: a mean that rounds too often for a bound below the result.
+    """
     mean = np.asarray(mean, dtype=np.float64)
     abs_sum = np.asarray(abs_sum, dtype=np.float64)
     if not average or is_power_of_two(nranks):

@@ -8,7 +8,7 @@ with the report (naming the step, params and ranks) when they stray, raises
 :class:`~mpifusion.errors.WeakCheckError` with one line when the inputs cannot reveal a
 missing reduction (the same inputs on every rank, or zeros) unless ``allow_weak``, warns
 (``OracleWarning``) when the bound is coarser than one input, and returns the report. Both
-errors are ``AssertionError``s: the test fails, and ``pytest.raises(OracleMismatch)``
+errors are ``AssertionError`` subclasses: the test fails, and ``pytest.raises(OracleMismatch)``
 expects a failure.
 Every report is also written as JSON under the test's ``tmp_path``: ``oracle-report.json``
 for the first call of a test, ``oracle-report-2.json``, ``-3`` ... for later ones.
@@ -34,7 +34,25 @@ from .report import weak_message
 def mpifusion_oracle(tmp_path: Any) -> Callable[..., Any]:
     """Check ``(spec, dumps)`` against the float64 reference; raise ``OracleMismatch`` on a
     mismatch, ``WeakCheckError`` on inputs too weak to reveal one (unless
-    ``allow_weak=True``): AssertionErrors, so the test fails."""
+    ``allow_weak=True``): AssertionErrors, so the test fails.
+
+    The fixture's value is that function; a test calls it as
+    ``mpifusion_oracle(spec, dumps)``, as often as it likes (each report is written under
+    the test's ``tmp_path``), and gets the report
+    (:class:`~mpifusion.oracle.CheckReport` or :class:`~mpifusion.oracle.StepsReport`).
+
+    Args:
+        spec: a :class:`~mpifusion.spec.Spec`, a dict or a JSON spec path.
+        dumps: a directory of ``rank{r}.npz`` (or of ``step{k}/`` folders), or a list of
+            records, as :func:`~mpifusion.oracle.check` takes them.
+        allow_weak: accept inputs too weak to reveal a missing reduction.
+        options: :func:`~mpifusion.oracle.check`'s keyword arguments (``exact``,
+            ``reduce_avg``).
+
+    Raises:
+        ~mpifusion.oracle.OracleMismatch: the dumps do not match the reference.
+        ~mpifusion.oracle.WeakCheckError: the inputs cannot reveal a missing reduction.
+    """
     counter = [0]
 
     def run(spec: Any, dumps: Any, *, allow_weak: bool = False, **options: Any) -> Any:

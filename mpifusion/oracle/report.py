@@ -20,15 +20,22 @@ class CoverageIssue:
     elements are unchecked, so the param fails) or that several ranks hold (``overlap``:
     reported, each rank's values are still checked)."""
 
+    #: the param's name
     name: str
-    what: str   # "out" (reduce-scattered grads) or "shard" (param shards)
-    kind: str   # "gap" or "overlap"
+    #: ``"out"`` (reduce-scattered grads) or ``"shard"`` (param shards)
+    what: str
+    #: ``"gap"`` or ``"overlap"``
+    kind: str
+    #: the first element of the range
     begin: int
+    #: one past its last element
     end: int
+    #: the ranks that hold it (an overlap)
     ranks: tuple = ()
 
     @property
     def fails(self) -> bool:
+        """Whether it fails the param (a gap does; an overlap is only reported)."""
         return self.kind == "gap"
 
     def __str__(self) -> str:
@@ -41,14 +48,20 @@ class CoverageIssue:
 class SyncStats:
     """The param all-gather of one param: every rank's ``param/{name}`` against the shards."""
 
+    #: the param's name
     name: str
+    #: elements compared, over every rank
     compared: int = 0
-    mismatched: int = 0        # elements differing in bits from the shard that holds them
-    ranks: list = field(default_factory=list)  # ranks whose gathered param differs
-    conflicts: int = 0         # elements where overlapping shards disagree
+    #: elements differing in bits from the shard that holds them
+    mismatched: int = 0
+    #: ranks whose gathered param differs
+    ranks: list = field(default_factory=list)
+    #: elements where overlapping shards disagree
+    conflicts: int = 0
 
     @property
     def ok(self) -> bool:
+        """Whether the gathered param is bit-exact on every rank, with no conflict."""
         return self.mismatched == 0 and self.conflicts == 0
 
 
@@ -58,22 +71,31 @@ class CheckReport:
     per rank (``rank_stats[name][rank]``), the bound per grad dtype, shard coverage issues and
     the all-gather stats (``sync``)."""
 
+    #: one :class:`ErrorStats` per param, in spec order
     stats: list
-    bounds: dict  # grad dtype -> formula
+    #: grad dtype -> the bound's formula (:attr:`BoundModel.formula`)
+    bounds: dict
+    #: name -> rank -> :class:`ErrorStats` of that rank's output
     rank_stats: dict = field(default_factory=dict)
+    #: the :class:`CoverageIssue` of every gap or overlap of the shards
     coverage: list = field(default_factory=list)
+    #: one :class:`SyncStats` per param whose all-gather was checked
     sync: list = field(default_factory=list)
+    #: the :class:`~mpifusion.spec.Spec` checked
     spec: Any = None
+    #: where the dumps came from (a folder), for the report's head
     source: str = ""
+    #: whether the mean was taken in the collective (``check(reduce_avg=True)``)
     reduce_avg: bool = False
-    #: checked with exact inputs (check(exact=True)): 0 difference, or the mean's rounding
+    #: checked with exact inputs (``check(exact=True)``), so 0 difference or the mean's rounding
     exact: bool = False
-    ranged: list = field(default_factory=list)  # params whose pieces came with range/
+    #: the params whose pieces came with ``range/`` entries (any split of the gradient)
+    ranged: list = field(default_factory=list)
     #: what this check could not tell, in words (printed as ``note:`` lines, JSON ``notes``):
     #: a bound too coarse to see one lost input, inputs that cannot reveal a missing
     #: reduction, keys of params the spec does not fuse
     notes: list = field(default_factory=list)
-    #: name -> :class:`~mpifusion.oracle.diagnose.Diagnosis` of every failing param's grads:
+    #: name -> :class:`~mpifusion.oracle.Diagnosis` of every failing param's grads:
     #: what most likely went wrong (a sum for a mean, a missing rank, ...); advice only, the
     #: verdict never depends on it
     diagnoses: dict = field(default_factory=dict)
@@ -129,6 +151,7 @@ class CheckReport:
 
     @property
     def failing(self) -> list:
+        """The names of the failing params, in spec order (empty when :attr:`ok`)."""
         return list(self.reasons())
 
     def wrong_ranks(self, name: str) -> list:
@@ -149,6 +172,8 @@ class CheckReport:
 
     @property
     def failing_ranks(self) -> list:
+        """The ranks whose output strays for some param (their grads, or their gathered
+        params), sorted."""
         ranks = set()
         for name, per in self.rank_stats.items():
             ranks.update(r for r, s in per.items() if not s.ok)
@@ -158,7 +183,7 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        """No mismatch (a weak check is ok too: see :meth:`verdict`)."""
+        """Whether nothing mismatches (a weak check is ok too, see :meth:`verdict`)."""
         return not self.failing
 
     def verdict(self, allow_weak: bool = False) -> str:
@@ -206,7 +231,12 @@ class CheckReport:
     # ---------------------------------------------------------------- output
     def to_json(self, spec: Any = None, *, allow_weak: bool = False) -> dict:
         """The report as JSON-ready data (``null`` for an infinite ratio); ``verdict`` as
-        :meth:`verdict` gives it."""
+        :meth:`verdict` gives it.
+
+        Args:
+            spec: the spec to describe (default the report's own).
+            allow_weak: as in :meth:`verdict`.
+        """
         spec = spec if spec is not None else self.spec
 
         def num(x: float) -> Optional[float]:

@@ -79,21 +79,28 @@ class StepsReport:
     interface as a CheckReport (``ok``, ``failing``, ``raise_for_failure()``, ``lines()``,
     ``to_json()``, ``weak``, ``coarse``)."""
 
-    steps: list  # [(k, CheckReport)]
+    #: ``[(k, CheckReport)]``, in step order
+    steps: list
+    #: where the dumps came from (a folder), for the report's head
     source: str = ""
+    #: what an earlier step explains of a failing param (an accumulator not zeroed, a
+    #: stale result), one ``StepDiagnosis`` each
     diagnoses: list = field(default_factory=list)
+    #: the :class:`~mpifusion.spec.Spec` checked
     spec: Any = None
 
     @property
     def failing_steps(self) -> list:
+        """The steps whose report fails, in order."""
         return [k for k, r in self.steps if not r.ok]
 
     @property
     def ok(self) -> bool:
+        """Whether every step matches (as :attr:`CheckReport.ok`)."""
         return not self.failing_steps
 
     def verdict(self, allow_weak: bool = False) -> str:
-        """As :meth:`CheckReport.verdict`, over every step."""
+        """As :meth:`CheckReport.verdict`, over every step (``allow_weak`` likewise)."""
         return verdict_of(self, allow_weak)
 
     def within(self) -> str:
@@ -106,29 +113,42 @@ class StepsReport:
 
     @property
     def failing(self) -> list:
+        """The params failing at any step, first failure first (no repeats)."""
         return list(dict.fromkeys(n for _, r in self.steps for n in r.failing))
 
     @property
     def failing_ranks(self) -> list:
+        """The ranks that stray at any step, sorted."""
         return sorted({rk for _, r in self.steps for rk in r.failing_ranks})
 
     @property
     def weak(self) -> list:
+        """Every step's :attr:`CheckReport.weak`, without repeats."""
         return list(dict.fromkeys(w for _, r in self.steps for w in r.weak))
 
     @property
     def coarse(self) -> list:
+        """Every step's :attr:`CheckReport.coarse`, without repeats."""
         return list(dict.fromkeys(c for _, r in self.steps for c in r.coarse))
 
     @property
     def notes(self) -> list:
+        """Every step's :attr:`CheckReport.notes`, without repeats."""
         return list(dict.fromkeys(n for _, r in self.steps for n in r.notes))
 
     def weak_summary(self) -> str:
+        """As :meth:`CheckReport.weak_summary`, over every step."""
         return CheckReport([], {}, weak=self.weak).weak_summary()
 
     def report(self, step: int) -> CheckReport:
-        """The report of step ``step``."""
+        """The report of step ``step``.
+
+        Args:
+            step: the step's ``k`` (its folder ``step{k}/``).
+
+        Raises:
+            KeyError: no such step was checked.
+        """
         for k, r in self.steps:
             if k == step:
                 return r
@@ -150,12 +170,14 @@ class StepsReport:
                              f"{head}\n{self}", self)
 
     def raise_for_weakness(self, allow_weak: bool = False) -> "StepsReport":
-        """As :meth:`CheckReport.raise_for_weakness`, over every step."""
+        """As :meth:`CheckReport.raise_for_weakness`, over every step (``allow_weak``
+        likewise)."""
         return enforce_strength(self, allow_weak)
 
     def to_json(self, *, allow_weak: bool = False) -> dict:
-        """JSON-ready: ``verdict`` (:meth:`verdict`), ``failing_steps``, ``diagnoses`` and each
-        step's report (``steps``: ``[{"step": k, ...CheckReport.to_json()}]``)."""
+        """JSON-ready: ``verdict`` (:meth:`verdict`, with ``allow_weak``), ``failing_steps``,
+        ``diagnoses`` and each step's report (``steps``: ``[{"step": k,
+        ...CheckReport.to_json()}]``)."""
         return {"verdict": self.verdict(allow_weak), "failing_steps": self.failing_steps,
                 "diagnoses": [{"step": d.step, "name": d.name, "kind": d.kind,
                                "since": d.since, "text": str(d)} for d in self.diagnoses],
@@ -166,7 +188,7 @@ class StepsReport:
     def lines(self, allow_weak: bool = False) -> list:
         """Each step's verdict, what explains a failure, the first failing step's full
         report, and the overall verdict last (``PASS``, ``WEAK`` or ``FAIL``, as
-        :meth:`CheckReport.lines`)."""
+        :meth:`CheckReport.lines`, ``allow_weak`` likewise)."""
         ks = [k for k, _ in self.steps]
         out = [f"check {self.source}: {len(ks)} step(s) ({', '.join(f'step{k}' for k in ks)})"]
         for k, r in self.steps:
@@ -267,7 +289,21 @@ def check_steps(spec: Any, dumps: Any, **options: Any) -> StepsReport:
     ``dumps``: a directory of ``step{k}/`` folders, each holding ``rank{r}.npz`` (what
     ``cap.step(k)`` then ``cap.save(dir)`` writes), or a mapping ``{k: records}`` (each as
     :func:`~mpifusion.oracle.check` takes them). ``options`` go to ``check``. Bad input raises
-    ``DumpError`` naming the step."""
+    ``DumpError`` naming the step.
+
+    Args:
+        spec: the spec the run followed (a :class:`~mpifusion.spec.Spec`, a dict or a JSON
+            path).
+        dumps: as above.
+        options: ``check``'s keyword arguments (``reduce_avg``, ``exact``).
+
+    Returns:
+        A :class:`StepsReport`; it fails (``ok`` False) if any step does.
+
+    Raises:
+        DumpError: no steps, or a step whose dumps cannot be read.
+        SpecError: an invalid spec.
+    """
     spec = as_spec(spec)
     if isinstance(dumps, (str, os.PathLike)):
         directory = os.fspath(dumps)

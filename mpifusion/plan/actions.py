@@ -10,13 +10,23 @@ from ..errors import LayoutError
 class HookAction(enum.IntEnum):
     """What a buffer does with its grads once all params checked in."""
 
+    #: every rank gets the reduced grads
     ALL_REDUCE = 0
+    #: only the root (``dst``) gets them
     REDUCE = 1
+    #: each rank gets its shard of them (and ``sync_params`` gathers the params back)
     REDUCE_SCATTER = 2
 
     @classmethod
     def parse(cls, value: Any) -> "HookAction":
-        """A HookAction from itself, its int, or a name (any case, ``-``/``_`` or none)."""
+        """A HookAction from itself, its int, or a name (any case, ``-``/``_`` or none).
+
+        Args:
+            value: ``HookAction.REDUCE``, ``1``, ``"reduce"``, ``"all-reduce"`` ...
+
+        Raises:
+            LayoutError: anything else (``True`` included).
+        """
         if isinstance(value, str):
             key = value.strip().upper().replace("-", "_")
             key = {"ALLREDUCE": "ALL_REDUCE", "REDUCESCATTER": "REDUCE_SCATTER"}.get(key, key)

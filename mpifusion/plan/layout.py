@@ -135,6 +135,13 @@ def get_group_size(parameters: Sequence[Any], group_size: int = ASSIGN_GROUP_SIZ
 
     Paddle assumes 12 bytes of state per parameter element (fp32 master weight + two Adam
     moments) and expresses it relative to the parameter's own bytes.
+
+    Args:
+        parameters: the params (anything with ``name``, ``shape`` and ``dtype``).
+        group_size: bytes per group, as in ``assign_group_by_size``.
+
+    Returns:
+        One float per group, in group order.
     """
     metas = _metas(parameters)
     sizes = []
@@ -151,18 +158,25 @@ def get_group_size(parameters: Sequence[Any], group_size: int = ASSIGN_GROUP_SIZ
 class Slot:
     """Where one param lives in a flat buffer, in elements."""
 
+    #: the param's name
     name: str
+    #: the param's shape
     shape: tuple
+    #: its first element in the buffer
     offset: int
+    #: its elements
     numel: int
+    #: its elements with the padding after it (alignment, shard rounding)
     padded_numel: int
 
     @property
     def end(self) -> int:
+        """One past the param's last element in the buffer."""
         return self.offset + self.numel
 
     @property
     def padded_end(self) -> int:
+        """One past the param's padding, where the next slot starts."""
         return self.offset + self.padded_numel
 
 
@@ -172,12 +186,18 @@ class FlatLayout:
 
     ``nranks`` is None for all-reduce / reduce buffers (``flatten_dense_tensors``), and the
     number of shards for reduce-scatter buffers (``build_reduce_scatter_buffer``).
+    ``layout[name]`` is a param's :class:`Slot`; ``name in layout`` says whether it is here.
     """
 
+    #: the params' dtype name
     dtype: str
+    #: one :class:`Slot` per param, in buffer order
     slots: tuple
+    #: the buffer's elements, padding included
     numel: int
+    #: every slot's bytes (in the param dtype) are a multiple of it
     alignment_bytes: int = ALIGNMENT_BYTES
+    #: the number of shards (reduce-scatter), else None
     nranks: Optional[int] = None
     _index: dict = field(default=None, repr=False, compare=False)
 
@@ -192,6 +212,7 @@ class FlatLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffer in the params' dtype."""
         return self.numel * _itemsize(self.dtype)
 
     @property
@@ -201,11 +222,13 @@ class FlatLayout:
 
     @property
     def param2offset(self) -> dict:
+        """``{name: offset}`` of every param, in elements (Paddle's ``param2offset``)."""
         return {s.name: s.offset for s in self.slots}
 
     # -- sharding (reduce-scatter buffers only)
     @property
     def shard_numel(self) -> int:
+        """Elements of one rank's shard (the whole buffer unless sharded)."""
         return self.numel // (self.nranks or 1)
 
     def shard_range(self, rank: int) -> tuple:
@@ -225,6 +248,7 @@ class FlatLayout:
         return (begin, end) if begin < end else None
 
     def slices(self, name: str) -> list:
+        """:meth:`slice_of` ``name`` for every rank, in rank order."""
         return [self.slice_of(name, r) for r in range(self.nranks or 1)]
 
 

@@ -24,6 +24,10 @@ counters and buffers as they were: a check-in that starts communication checks f
 it can (open buffer, a comm_group, nothing abandoned), and a ``NanInfError`` found then
 undoes the call (``GradIntake._snapshot``/``_restore``, runtime/grads.py). Before anything is allocated, the ranks of comm_group
 check in one tiny collective that they build the same buffer (``health.check_agreement``).
+
+Size: one class, Paddle's public ``FusedCommBuffer``, about a sixth of it the docstrings of
+its arguments, methods and errors that docs/reference.md is generated from; its param side
+(sharded.py) and grad intake (grads.py) are apart already.
 """
 from __future__ import annotations
 
@@ -89,6 +93,40 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     ``comm_group`` is an mpi4py communicator; the buffer talks on a private duplicate of it.
     ``timeout`` (seconds, default ``$MPIFUSION_TIMEOUT``, unset = forever) bounds every wait.
+    Building one is collective: every rank of ``comm_group`` builds the same buffer (same
+    params, order, shapes, dtypes and options), in the same order.
+
+    Args:
+        id: the buffer's number, unique per communicator; errors and logs name it.
+        params: the :class:`Param` objects to fuse, in backward order (one dtype); their
+            ``data``/``grad``/``main_grad`` become views into the buffer.
+        comm_group: the ranks that reduce together; None builds a buffer that cannot
+            communicate (check-ins only, ``use_comm=False``).
+        acc_steps: micro-steps (``add_grad`` calls) per param before it is checked in.
+        act: :class:`HookAction` (or ``"all_reduce"``, ``"reduce"``, ``"reduce_scatter"``).
+        dst: ``REDUCE``'s root, a global rank (of ``COMM_WORLD``, as in Paddle); -1 otherwise.
+        use_main_grad: keep the grads in fp32 main grads for half-precision params; None:
+            whether ``params[0]`` has a ``main_grad`` (Paddle's default).
+        fuse_param: also fuse the params into one flat buffer (not with ``release_grads``).
+        scale_after_comm: scale by ``1/nranks`` after the collective; False: before it.
+        release_grads: allocate the grad buffer at the first micro-step, so
+            :meth:`clear_grad_storage` can free it between steps.
+        use_reduce_avg: average in the collective instead of scaling the buffer.
+        free_grads_in_comm: reduce-scatter into a new shard-sized buffer and drop the full
+            one (needs ``REDUCE_SCATTER``, ``release_grads`` and ``acc_steps=1``).
+        init_slice_param: give each param's slice in ``slice_params`` a view of this rank's
+            piece of the param buffer (``REDUCE_SCATTER``).
+        slice_params: ``{name: Param}``, the slices ``init_slice_param`` fills.
+        timeout: seconds any wait may take; None: ``comm_options``' deadline.
+        comm_options: :class:`CommOptions` for the collectives; None: from the environment.
+        check_naninf: check the grad buffer for NaN/Inf before every collective; None:
+            ``$MPIFUSION_CHECK_NANINF`` (or Paddle's ``FLAGS_pp_check_naninf``).
+        order: ``"strict"`` or ``"negotiated"`` collective order; None: ``comm_options``'.
+
+    Raises:
+        LayoutError: params that cannot be fused (no params, mixed dtypes, duplicate names).
+        AgreementError: the ranks of ``comm_group`` build different buffers.
+        OptionError: an option with a value it cannot take.
     """
 
     def __init__(
@@ -156,8 +194,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         self._comm = comm
         # REDUCE's root as a rank of comm_group (options.dst is a global rank, as in Paddle)
         self._dst = dst_group_rank(opts.dst, comm_group, where) if act == HookAction.REDUCE else -1
+        #: seconds any wait of this buffer may take, None for no deadline
         self.timeout = deadline
+        #: the :class:`Status` of the param buffer, READY (full params valid), SHARDED (only
+        #: this rank's shard is valid) or SYNCING (``sync_params`` in flight)
         self.status = self.Status.READY
+        #: the task of the last ``sync_params(sync=False)`` (None before one)
         self.sync_param_task: Optional[CommTask] = None
         self._task: Optional[CommTask] = None
         self._logged_stop_gradient = False
@@ -179,7 +221,10 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                 self._tracker = comm.tracker
                 self._key = comm.key
 
+        #: the flat param buffer (``fuse_param`` or ``REDUCE_SCATTER``; else None)
         self.param_storage = None
+        #: the flat grad buffer (main grads with ``use_main_grad``), of which every param's
+        #: grad is a view; None while released (``release_grads``, ``clear_grad_storage``)
         self.grad_storage = None
         # every later allocation is made like this (device and array module), never like
         # param.data or grad_storage, which clear_*_storage and release_grads set to None
@@ -188,6 +233,8 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         check_trainable(self._params, rank)
         sharded = act == HookAction.REDUCE_SCATTER
         # planned once, then allocated from the plan
+        #: the plan of the flat buffers, each param's offset and padded slot and the
+        #: shards (``layout[name]``, ``layout.shard_range(rank)``)
         self.layout = (plan_or_raise(plan_sharded, self._params, nranks, rank=rank) if sharded
                        else plan_or_raise(plan_flat, self._params, rank=rank))
         self._memory = self._reserve_memory(sharded or opts.fuse_param)
@@ -208,6 +255,7 @@ class FusedCommBuffer(ShardedParams, GradIntake):
                 (self.grad_storage,) = flatten_dense_tensors(
                     self._params, use_main_grad=self.use_main_grad, fuse_param=False,
                     layout=self.layout, memory=self._memory)
+        #: ``{name: offset}`` of each param in the flat buffers, in elements (Paddle's)
         self.param2offset = self.layout.param2offset
         self._grad_dtype = grad_dtype_for(self.layout.dtype, self.use_main_grad)
         self._checkin = CheckIn(self._params, opts.acc_steps, where)
@@ -235,6 +283,7 @@ class FusedCommBuffer(ShardedParams, GradIntake):
     # ------------------------------------------------------------------ introspection
     @property
     def id(self) -> int:
+        """The buffer's number given at construction (errors and logs name it)."""
         return self._id
 
     @property
@@ -244,10 +293,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @property
     def params(self) -> list:
+        """The fused :class:`Param` objects, in the order given."""
         return self._params
 
     @property
     def act(self) -> HookAction:
+        """Which collective runs (ALL_REDUCE, REDUCE or REDUCE_SCATTER)."""
         return self.options.act
 
     @property
@@ -257,11 +308,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @property
     def acc_steps(self) -> int:
+        """Micro-steps per param before it is checked in."""
         return self.options.acc_steps
 
     @property
     def dst(self) -> int:
-        """REDUCE's root as given: a global rank (of COMM_WORLD), as in Paddle."""
+        """REDUCE's root as given, a global rank (of COMM_WORLD), as in Paddle."""
         return self.options.dst
 
     @property
@@ -271,19 +323,23 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @property
     def rank(self) -> int:
+        """This rank in ``comm_group`` (the world rank without one)."""
         return self._rank
 
     @property
     def nranks(self) -> int:
+        """The size of ``comm_group`` (1 without one), the divisor of the mean."""
         return self._comm.size if self._comm is not None else 1
 
     @property
     def comm(self) -> Optional[Communicator]:
+        """The :class:`~mpifusion.comm.Communicator` the collectives run on (None without
+        ``comm_group``)."""
         return self._comm
 
     @property
     def step(self) -> int:
-        """The step serial: 0 at construction, one more at every ``scale_grads()`` and
+        """The step serial, 0 at construction, one more at every ``scale_grads()`` and
         ``reset()``; each collective carries it and the ranks compare it (``OrderError``)."""
         return self._step
 
@@ -294,6 +350,8 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @property
     def task(self) -> Optional[CommTask]:
+        """The :class:`CommTask` of this step's grad collective, from its start until
+        ``scale_grads()`` or ``reset()``; None otherwise (Paddle's ``_task``)."""
         return self._task
 
     @property
@@ -304,6 +362,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         return backend.ipc_handle(self.param_storage)
 
     def missing_params(self) -> list:
+        """The names of the params not yet checked in this step: what ``comm_grads`` would
+        wait for (a :class:`CheckInError` names them too).
+
+        Returns:
+            list of str, in the order of :attr:`params`.
+        """
         return self._checkin.missing()
 
     def _where(self) -> str:
@@ -367,7 +431,11 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         flight (within the deadline; on an error the buffer stays open), then the buffer
         starts nothing more (its negotiation slot is freed). Idempotent; grads and params stay
         readable. The private duplicates and thread of comm_group are shared by its buffers:
-        ``mpifusion.comm.release(comm_group)`` (or ``comm_group.Free()``) releases them."""
+        ``mpifusion.comm.release(comm_group)`` (or ``comm_group.Free()``) releases them.
+
+        Raises:
+            CommTimeoutError: communication still in flight did not finish in time.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -417,6 +485,20 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         ``use_comm`` is True or False (Paddle's second argument; anything else, such as a
         grad passed positionally, is an ``OptionError``).
         Safe from several threads (one at a time: the buffer's lock).
+
+        Args:
+            param: one of this buffer's params (the same object).
+            use_comm: start the collective when this checks in the last param; False leaves
+                it to an explicit :meth:`comm_grads`.
+            grad: the micro-step's gradient, added to the param's grad view; None: the view
+                already holds it.
+
+        Raises:
+            GradError: not a param of this buffer, already checked in this step, or a grad
+                of the wrong shape or dtype.
+            StateError: the buffer was closed, or communication already started this step.
+            NanInfError: ``check_naninf`` found NaN/Inf when the collective was to start
+                (this call is undone).
         """
         with self._lock:  # spelled out, not @_locked: this is the hot path
             self._add_grad(param, use_comm, grad)
@@ -507,6 +589,14 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         no ``add_grad`` yet this step has its grad slot zeroed (it contributes exactly zero
         to the reduction); one with some keeps what it accumulated. When this checks in the
         last param, communication starts as in ``add_grad``. All params are validated first.
+
+        Args:
+            params: params of this buffer that get no gradient this step.
+            use_comm: as in :meth:`add_grad`.
+
+        Raises:
+            GradError: a param already checked in, or given twice.
+            StateError: the buffer was closed.
         """
         if self._closed:
             self._refuse_closed("mark_unused")
@@ -562,6 +652,13 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         comes back (also after a collective that failed, e.g. with ``OrderError``). Later
         collectives on a communicator with an abandoned one refuse to run
         (``AbandonedError``): save what you need and abort, or use a fresh communicator.
+
+        Args:
+            abandon: give up a collective still in flight instead of refusing.
+            zero_grads: zero the grad buffer too (else the grads are kept).
+
+        Raises:
+            StateError: a collective is in flight and ``abandon`` is False.
         """
         abandon = check_switch(abandon, f"{self._where()}: reset: abandon")
         zero_grads = check_switch(zero_grads, f"{self._where()}: reset: zero_grads")
@@ -615,7 +712,16 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @_locked
     def comm_grads(self) -> None:
-        """Start reducing the grad buffer; every param must have checked in."""
+        """Start reducing the grad buffer; every param must have checked in.
+
+        Called by the check-in of the last param; call it yourself after ``add_grad`` with
+        ``use_comm=False``. Non-blocking: :meth:`wait` or :meth:`scale_grads` finishes it.
+
+        Raises:
+            CheckInError: some params have not checked in (the message names them).
+            StateError: communication already started this step, or no ``comm_group``.
+            NanInfError: ``check_naninf`` found NaN/Inf; nothing was sent.
+        """
         if not self._checkin.all_in:
             raise CheckInError(
                 f"{self._where()}: step {self._step}: {self._checked_in_text()} (expected "
@@ -682,7 +788,18 @@ class FusedCommBuffer(ShardedParams, GradIntake):
 
     @_locked
     def scale_grads(self) -> None:
-        """Finish this step's communication, scale by 1/nranks if asked, reset the counters."""
+        """Finish this step's communication, scale by 1/nranks if asked, reset the counters.
+
+        The end of a step (Paddle's ``scale_grads``): afterwards the grads hold the mean
+        (or the sum, per the options) and :attr:`step` has advanced.
+
+        Raises:
+            CheckInError: params missing, or all checked in with ``use_comm=False`` and no
+                :meth:`comm_grads`.
+            CommTimeoutError: the collective did not finish within :attr:`timeout` (it
+                stays pending: call again to keep waiting).
+            OrderError: the ranks started different collectives.
+        """
         if self.need_reduce_scale_sync():
             if self._task is None:
                 if self.nranks == 1 and self._checkin.all_in:
@@ -700,6 +817,11 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         """Wait for this step's grad communication (within the buffer's timeout).
 
         On ``CommTimeoutError`` the collective stays pending; calling again keeps waiting.
+        Unlike :meth:`scale_grads`, it neither scales nor ends the step.
+
+        Raises:
+            CommTimeoutError: not finished within :attr:`timeout`.
+            CommError: the collective failed (``OrderError``, ``AbandonedError`` ...).
         """
         if self._task is not None:
             self._wait_task(self._task, "grad communication", self._task_seq)
@@ -721,6 +843,9 @@ class FusedCommBuffer(ShardedParams, GradIntake):
         view would keep the whole buffer alive, and the next step would reduce it again.
         Refused mid-step: while a collective is in flight, and while params have micro-steps
         this step whose communication has not finished (their grads would be dropped).
+
+        Raises:
+            StateError: mid-step, as above; nothing was changed.
         """
         if self._task is not None and not self._task.is_completed():
             raise StateError(f"{self._where()}: clear_grad_storage: communication still in "
@@ -749,7 +874,12 @@ class FusedCommBuffer(ShardedParams, GradIntake):
             view.clear_grad_buffer()
 
     def reset_grad_storage(self, shard_buffer: Any) -> None:
-        """Make a shard-sized buffer this buffer's grads (``free_grads_in_comm``)."""
+        """Make a shard-sized buffer this buffer's grads (``free_grads_in_comm``).
+
+        Args:
+            shard_buffer: an array of this rank's shard size, in the grad dtype; every
+                param slice's grad view is re-pointed at it.
+        """
         self.grad_storage = shard_buffer
         self._grads_are_shard = True
         for view in self._sharding_param_grad_view.values():

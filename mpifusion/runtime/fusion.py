@@ -29,7 +29,21 @@ logger = logging.getLogger("mpifusion")
 
 def assign_group_by_size(parameters: Sequence[Param],
                          group_size: int = ASSIGN_GROUP_SIZE) -> "OrderedDict[int, list]":
-    """Group params into buckets of about ``group_size`` bytes (Paddle's rule)."""
+    """Group params into buckets of about ``group_size`` bytes (Paddle's rule).
+
+    One open group per dtype; a group closes right after the param that brings it to
+    ``group_size`` bytes or more; groups are ordered by their first param.
+
+    Args:
+        parameters: the params (anything with ``name``, ``shape`` and ``dtype``).
+        group_size: bytes per group before it closes.
+
+    Returns:
+        ``{group index: [params]}``, in order.
+
+    Raises:
+        LayoutError: a param of a dtype no buffer may hold.
+    """
     groups = OrderedDict()
     with error_context(f"rank {world_rank()}", ValueError, kind=LayoutError):
         indices = group_indices_by_size(parameters, group_size)
@@ -47,7 +61,20 @@ def assign_group_by_size(parameters: Sequence[Param],
 
 def filter_params(params: Sequence[Param], is_fp32: bool, is_distributed: bool,
                   need_clip: bool):
-    """The params of one (fp32?, distributed?, need_clip?) split, and their common dtype."""
+    """The params of one (fp32?, distributed?, need_clip?) split, and their common dtype.
+
+    Args:
+        params: the model's params.
+        is_fp32: take the fp32 params (else the others).
+        is_distributed: take the model-parallel params (``is_distributed``) or the others.
+        need_clip: take the params with ``need_clip`` set, or the others.
+
+    Returns:
+        ``(params, dtype name)``; ``([], None)`` when no param matches.
+
+    Raises:
+        LayoutError: the non-fp32 params of the split have different dtypes.
+    """
     with error_context(f"rank {world_rank()}", PlanError, kind=LayoutError):
         return filter_split(params, is_fp32, is_distributed, need_clip)
 
@@ -100,7 +127,30 @@ def obtain_storage(
     comm_options: Optional[CommOptions] = None,
 ):
     """Build one buffer per size group. Returns ``(fused_params, buffers)``: the fused params
-    when ``fuse_param``, the buffers (with backward hooks registered) when ``comm_overlap``."""
+    when ``fuse_param``, the buffers (with backward hooks registered) when ``comm_overlap``.
+
+    Args:
+        parameters: the params of one split (one dtype).
+        use_main_grad: fp32 main grads for half-precision params.
+        clip: the fused params' ``need_clip``.
+        dist: the fused params' ``is_distributed``.
+        fuse_param: fuse the params' data too, and return one flat :class:`Param` per
+            buffer (its grad the grad buffer).
+        comm_overlap: register each param's backward hook (``add_grad``), and return
+            the buffers.
+        act: the buffers' :class:`HookAction`.
+        comm_group: the communicator (None: buffers that cannot communicate).
+        dst: ``REDUCE``'s root, a global rank.
+        acc_steps: micro-steps per step.
+        scale_after_comm: scale by ``1/nranks`` after the collective (else before).
+        use_reduce_avg: average in the collective.
+        group_size: bytes per buffer before it closes (:func:`assign_group_by_size`).
+        comm_options: how the collectives run (None: from the environment).
+
+    Raises:
+        LayoutError: params that cannot be fused.
+        OptionError: an option with a value it cannot take.
+    """
     where = f"rank {world_rank()}"
     _check_switches(where, clip=clip, dist=dist, fuse_param=fuse_param,
                     comm_overlap=comm_overlap)
@@ -171,6 +221,36 @@ def fused_parameters(
 
     Returns ``(decay_fused, all_fused, all_buffers)``; with ``group_params`` the input is a
     list of ``{"params": [...], ...}`` groups and ``(updated_groups, buffers)`` is returned.
+
+    The params are split by (fp32 or not, ``is_distributed``, ``need_clip``), then by decay,
+    and each split is grouped by size; every rank must call it with the same params, as
+    building the buffers is collective.
+
+    Args:
+        parameters: the model's params (:class:`Param`), or with ``group_params`` the
+            optimizer's param groups.
+        use_main_grad: fp32 main grads for half-precision params.
+        fuse_param: fuse the params' data too (the fused params of the result).
+        comm_overlap: register a backward hook per param, so ``param.backward(grad)``
+            checks it in, and return the buffers.
+        comm_group: the communicator; None with ``comm_overlap`` is ``COMM_WORLD``
+            (``ALL_REDUCE`` only).
+        act: the collective (:class:`HookAction` or its name); None: ``REDUCE``.
+        dst: ``REDUCE``'s root, a global rank (required for ``REDUCE``).
+        acc_step: micro-steps per step (Paddle's spelling).
+        scale_after_comm: scale by ``1/nranks`` after the collective (else before).
+        group_params: ``parameters`` is a list of param groups.
+        apply_decay_param_fun: ``name -> bool``, whether weight decay applies to a param
+            (the decay split).
+        use_reduce_avg: average in the collective.
+        group_size: bytes per buffer before it closes.
+        comm_options: how the collectives run (None: from the environment).
+        order: the buffers' collective order, as above.
+
+    Raises:
+        LayoutError: params that cannot be fused, ``REDUCE`` without ``dst``, a param group
+            without ``params``.
+        OptionError: an option with a value it cannot take.
     """
     where = f"rank {world_rank()}"
     _check_switches(where, use_main_grad=use_main_grad, fuse_param=fuse_param,

@@ -17,6 +17,22 @@ class Param:
     into the buffer. ``array`` may be any DLPack producer; it is not copied (so a torch tensor
     with its negation or conjugation bit set, whose memory is not its value, is a TypeError;
     ``.resolve_neg()`` / ``.resolve_conj()`` make a copy that can be shared).
+
+    Args:
+        name: the param's name, unique in a buffer (errors and dumps name it).
+        array: the param's data.
+        grad: its gradient array (shape and device of ``array``), if it has one.
+        main_grad: its fp32 main gradient (Paddle's, for ``use_main_grad``), if it has one.
+        trainable: Paddle's ``trainable``; False is ``stop_gradient=True``.
+        stop_gradient: leave the param out of ``fused_parameters`` (a buffer still
+            communicates its grad).
+        is_distributed: a model-parallel param (``fused_parameters`` groups it apart).
+        need_clip: whether gradient clipping applies (``fused_parameters`` groups by it).
+        optimize_attr: Paddle's per-param optimizer settings (default learning rate 1.0).
+
+    Raises:
+        ValueError: an empty name, or a grad whose shape or device differs from ``array``.
+        TypeError: an array that cannot be shared without a copy.
     """
 
     def __init__(
@@ -47,6 +63,8 @@ class Param:
 
     @property
     def data(self) -> Any:
+        """The param's array; a view into the param buffer once fused (``fuse_param``,
+        ``REDUCE_SCATTER``), None while a sharded buffer's param storage is cleared."""
         return self._data
 
     @data.setter
@@ -60,7 +78,7 @@ class Param:
 
     @property
     def trainable(self) -> bool:
-        """``not stop_gradient``, as in Paddle: setting either flag sets the other."""
+        """``not stop_gradient``, as in Paddle (setting either flag sets the other)."""
         return not self.stop_gradient
 
     @trainable.setter
@@ -69,27 +87,40 @@ class Param:
 
     @property
     def shape(self) -> tuple:
+        """The param's shape (kept while :attr:`data` is released)."""
         return self._shape
 
     @property
     def dtype(self) -> str:
+        """The param's dtype name, such as ``"float32"`` (kept while :attr:`data` is
+        released)."""
         return self._dtype
 
     @property
     def device(self) -> str:
-        """``"cpu"`` or ``"cuda:N"``: where the data (and so the buffer it joins) lives."""
+        """Where the data (and so the buffer it joins) lives, ``"cpu"`` or ``"cuda:N"``."""
         return self._device
 
     @property
     def numel(self) -> int:
+        """Elements of the param (the product of its shape)."""
         return math.prod(self._shape)
 
     def register_backward_hook(self, hook: Callable[..., Any]) -> None:
-        """Hooks run by :meth:`backward`, as a framework's autograd would after this grad."""
+        """Hooks run by :meth:`backward`, as a framework's autograd would after this grad.
+
+        Args:
+            hook: called as ``hook(grad)``; ``fused_parameters(comm_overlap=True)``
+                registers the buffer's ``add_grad`` here.
+        """
         self._backward_hooks.append(hook)
 
     def backward(self, grad: Any = None) -> None:
-        """Emulate the end of this param's backward: run its hooks (e.g. a buffer's add_grad)."""
+        """Emulate the end of this param's backward: run its hooks (e.g. a buffer's add_grad).
+
+        Args:
+            grad: handed to every hook (None: the grad is already in the param's view).
+        """
         for hook in self._backward_hooks:
             hook(grad)
 

@@ -20,9 +20,14 @@ class ShardedParams:
     """Status and all-gather of the param shards (uses the buffer's comm, layout, views)."""
 
     class Status(enum.Enum):
-        SHARDED = enum.auto()   # only this rank's shard of the params is valid
-        SYNCING = enum.auto()   # sync_params is in flight
-        READY = enum.auto()     # full params valid
+        """What the param buffer of a reduce-scatter buffer holds (``buffer.status``)."""
+
+        #: only this rank's shard of the params is valid
+        SHARDED = enum.auto()
+        #: ``sync_params`` is in flight
+        SYNCING = enum.auto()
+        #: full params valid
+        READY = enum.auto()
 
     # ------------------------------------------------------------------ reduce-scatter params
     def _require_sharded(self, what: str) -> None:
@@ -31,7 +36,19 @@ class ShardedParams:
                               f"got {self.options.act.name}")
 
     def assign_slice_grad(self, param: Param, slice_param: Param) -> None:
-        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad)."""
+        """Point ``slice_param`` at this rank's slice of ``param`` (data and reduced grad).
+
+        So an optimizer that updates only this rank's shard sees it as a param of its own.
+
+        Args:
+            param: one of this buffer's params.
+            slice_param: the :class:`Param` that becomes the 1-D slice.
+
+        Raises:
+            LayoutError: not a ``REDUCE_SCATTER`` buffer.
+            GradError: ``param`` is not one of this buffer's params.
+            StateError: the param buffer was cleared (``reset_param_storage()`` first).
+        """
         self._require_sharded("assign_slice_grad")
         self._checkin.steps_of(param)  # GradError unless one of this buffer's Param objects
         if self.param_storage is None:
@@ -44,6 +61,20 @@ class ShardedParams:
 
         ``sync=False`` returns the task and records it in ``param2task`` for every param;
         with ``sync=True`` ``param2task`` is ignored, as in Paddle.
+
+        Args:
+            sync: wait for the all-gather before returning.
+            param2task: a dict to record the task in, ``{name: task}`` (``sync=False``).
+
+        Returns:
+            The :class:`~mpifusion.CommTask` with ``sync=False``; else None (also when there
+            is nothing to gather: one rank, or every param has stop_gradient).
+
+        Raises:
+            LayoutError: not a ``REDUCE_SCATTER`` buffer.
+            StateError: the param buffer was cleared, or ``param2task`` already holds a
+                task for a param.
+            CommTimeoutError: ``sync=True`` and the all-gather did not finish in time.
         """
         sync = check_switch(sync, f"{self._where()}: sync_params: sync")
         if not self.need_reduce_scale_sync():
@@ -95,7 +126,12 @@ class ShardedParams:
 
     def clear_param_storage(self) -> None:
         """Release the param buffer (reduce-scatter): params have no data until reset.
-        Refused while ``sync_params`` is in flight (SYNCING)."""
+        Refused while ``sync_params`` is in flight (SYNCING).
+
+        Raises:
+            LayoutError: not a ``REDUCE_SCATTER`` buffer.
+            StateError: ``sync_params`` is in flight.
+        """
         self._require_sharded("clear_param_storage")
         self._refuse_syncing("clear_param_storage")
         self.param_storage = None
@@ -107,7 +143,12 @@ class ShardedParams:
 
     def reset_param_storage(self) -> None:
         """A fresh param buffer, re-viewed by every param; valid again after sync_params.
-        Refused while ``sync_params`` is in flight (SYNCING)."""
+        Refused while ``sync_params`` is in flight (SYNCING).
+
+        Raises:
+            LayoutError: not a ``REDUCE_SCATTER`` buffer.
+            StateError: ``sync_params`` is in flight.
+        """
         self._require_sharded("reset_param_storage")
         self._refuse_syncing("reset_param_storage")
         # like the device template recorded at construction: grad_storage is None with

@@ -206,6 +206,21 @@ def flatten_dense_tensors(
     ``warp_buffer`` is accepted for Paddle compatibility; numpy buffers need no wrapping.
     ``layout``: the plan of ``parameters`` when the caller already made it (planned once);
     ``memory``: where the buffers are allocated.
+
+    Args:
+        parameters: the params, one dtype, in buffer order; their data (with
+            ``fuse_param``) and grads become views of the buffers.
+        use_main_grad: the grad buffer in fp32 for half-precision params (their
+            ``main_grad``).
+        fuse_param: also fuse the params' data (copied in).
+        warp_buffer: ignored (Paddle's).
+        release_grad: plan only, allocate nothing.
+        layout: the plan, if already made.
+        memory: where the buffers are allocated (fresh arrays by default).
+
+    Raises:
+        LayoutError: params that cannot share a buffer (dtypes, names, no data, not
+            trainable).
     """
     if layout is None:
         rank = world_rank()
@@ -229,7 +244,21 @@ def flatten_dense_tensors(
 
 
 class ShardingGradView:
-    """One param's place in a reduce-scatter buffer, and its slice on this rank."""
+    """One param's place in a reduce-scatter buffer, and its slice on this rank.
+
+    Made by :func:`build_reduce_scatter_buffer` (``buffer._sharding_param_grad_view``, as in
+    Paddle); it points the param's data and grad at the buffers and keeps the slice of this
+    rank's shard that the optimizer updates.
+
+    Args:
+        param: the param.
+        layout: the buffer's plan (sharded).
+        rank: this rank: which shard the slice is cut from.
+        param_buffer: the flat param buffer (the param's data is copied into its slot).
+        grad_buffer: the flat grad buffer (None with ``release_grad``).
+        use_main_grad: point the param's ``main_grad`` (not ``grad``) at the grad buffer.
+        release_grad: no grad buffer yet (:meth:`attach_grad_buffer` later).
+    """
 
     def __init__(self, param: Param, layout: FlatLayout, rank: int, param_buffer: Any,
                  grad_buffer: Any, use_main_grad: bool = False, release_grad: bool = False) -> None:
@@ -248,10 +277,16 @@ class ShardingGradView:
 
     @property
     def has_effective_slice_param(self) -> bool:
+        """Whether any of the param's padded slot lies in this rank's shard."""
         return self.param_begin < self.param_end
 
     def attach_grad_buffer(self, grad_buffer: Any, link_param: bool) -> Any:
-        """Point this view at a (full) grad buffer; returns the param's full grad view."""
+        """Point this view at a (full) grad buffer; returns the param's full grad view.
+
+        Args:
+            grad_buffer: the full flat grad buffer.
+            link_param: make the param's grad (or main grad) that view too.
+        """
         self.grad_buffer = grad_buffer
         self.slice_grad = (grad_buffer[self.param_begin:self.param_end]
                            if self.has_effective_slice_param else None)
@@ -261,6 +296,13 @@ class ShardingGradView:
         return view
 
     def share_param_buffer(self, param_buffer: Any, copy: bool) -> None:
+        """Make the param's data the view of its slot in ``param_buffer``.
+
+        Args:
+            param_buffer: the flat param buffer.
+            copy: copy the param's current data into the slot first (False: a fresh
+                buffer whose values come from ``sync_params``).
+        """
         self._param_buffer = param_buffer
         adopt_data(self.param, slot_view(param_buffer, self.slot), copy)
 
@@ -269,7 +311,14 @@ class ShardingGradView:
         self._param_buffer = None
 
     def fill_slice_param(self, slice_param: Param) -> None:
-        """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer."""
+        """Make ``slice_param.data`` the 1-D view of this rank's piece of the param buffer.
+
+        Args:
+            slice_param: the param to fill (empty, or of the slice's size).
+
+        Raises:
+            LayoutError: ``slice_param`` has data of another size.
+        """
         size = self.param_end - self.param_begin
         if slice_param.data is not None and slice_param.numel not in (0, size):
             raise LayoutError(f"slice param '{slice_param.name}' of '{self.param.name}': "
@@ -277,19 +326,33 @@ class ShardingGradView:
         slice_param.data = self._param_buffer[self.param_begin:self.param_end]
 
     def assign_slice_grad(self, slice_param: Param) -> None:
+        """Point ``slice_param``'s data and grad at this rank's slice (nothing when the param
+        has no slice here).
+
+        Args:
+            slice_param: the param the optimizer updates in place of the shard.
+
+        Raises:
+            LayoutError: ``slice_param`` has data of another size.
+        """
         if self.slice_grad is None:
             return
         self.fill_slice_param(slice_param)
         set_grad(slice_param, self._use_main_grad, self.slice_grad)
 
     def reset_grad_buffer(self, shard_buffer: Any) -> None:
-        """After ``free_grads_in_comm``: the slice now lives in the shard-sized buffer."""
+        """After ``free_grads_in_comm``, the slice lives in the shard-sized buffer.
+
+        Args:
+            shard_buffer: this rank's shard of the grads (its first element is the shard's).
+        """
         self.grad_buffer = shard_buffer
         self.slice_grad = (shard_buffer[self.param_begin - self.rank_begin:
                                         self.param_end - self.rank_begin]
                            if self.has_effective_slice_param else None)
 
     def clear_grad_buffer(self) -> None:
+        """Forget the grad buffer (``clear_grad_storage``): a kept one would stay alive."""
         self.grad_buffer = None
         self.slice_grad = None
 
@@ -310,6 +373,21 @@ def build_reduce_scatter_buffer(
 
     Returns ``(views, total_numel, param_buffer, grad_buffer, param_buffer_ipc_meta)``, where
     ``views`` maps each param name to its ``ShardingGradView``.
+
+    Args:
+        parameters: the params, one dtype, in buffer order.
+        sharding_degree: the number of ranks (shards).
+        rank: this rank: which shard its slices come from.
+        use_main_grad: the grad buffer in fp32 for half-precision params.
+        release_grad: no grad buffer yet (``grad_buffer`` is None).
+        init_slice_param: fill each param's entry of ``slice_params`` with its slice.
+        slice_params: ``{name: Param}`` for ``init_slice_param`` (every param with a
+            slice on this rank).
+        layout: the plan, if already made.
+        memory: where the buffers are allocated (fresh arrays by default).
+
+    Raises:
+        LayoutError: params that cannot share a buffer, or a missing ``slice_params`` entry.
     """
     if layout is None:
         check_trainable(parameters, rank)
