@@ -35,7 +35,7 @@ once, so under the same load); nothing is fitted to the hierarchical times being
 The form follows the implementation (``mpifusion/comm/shm_collectives.py``):
 
 * above the gathered path, the buffer moves in rounds of the stream's scratch
-  (``SCRATCH_BYTES``, 1 MiB); in each round every rank sums its 1/p slice over the node,
+  (``Tuning.scratch_bytes``, 1 MiB); in each round every rank sums its 1/p slice over the node,
   then runs a reduce-scatter and an all-gather of it over the N nodes (the p ranks of a node
   at once, sharing its link), then writes it back. The network part is
   ``rounds(m) * 2 ceil(log2 N) alpha + 2(N-1)/N m beta + (N-1)/N m/p gamma`` --
@@ -43,10 +43,10 @@ The form follows the implementation (``mpifusion/comm/shm_collectives.py``):
   take for these slices (N - 1 for a ring would differ only at 4 nodes and up). The table's
   form, ``sequential``, is the default implementation's (each chunk's node part, then its
   inter-node calls): ``t_node(m) + network``. ``--form pipelined`` is
-  ``CommOptions(pipeline=True)``'s (``PIPE_MIN_BYTES``, 256 KiB: chunk k moves between the
+  ``CommOptions(pipeline=True)``'s (``Tuning.pipe_min_bytes``, 256 KiB: chunk k moves between the
   nodes while the node sums chunk k+1): ``max(t_node(m), network)`` from 256 KiB;
   ``--form overlapped`` the max at every size;
-* a small all-reduce (p N m <= ``GATHER_MAX_BYTES``, 128 KiB) is one ``Allgather`` of every
+* a small all-reduce (p N m <= ``Tuning.gather_max_bytes``, 128 KiB) is one ``Allgather`` of every
   rank's buffer over all ranks, then a local sum: ``t_node(m) + ceil(log2 pN) alpha +
   (N-1) p m beta``.
 
@@ -116,6 +116,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from mpifusion import machine
+from mpifusion.comm.tuning import Tuning
 
 #: where the runs are fitted from and the model's files go (benchmarks/record.py)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -126,9 +127,9 @@ SMALL_BYTES = 1 * MiB
 RANKS_PER_NODE = 8
 NODES = (2, 4, 8, 16, 32, 64)
 #: the hierarchical all-reduce's round (its stream's scratch) and its gathered path's bound:
-#: the implementation's constants, stated here (the model reads no private name)
-ROUND_BYTES = 1 * MiB
-GATHER_MAX_BYTES = 128 << 10
+#: the implementation's thresholds (mpifusion.comm.tuning, public), at their defaults
+ROUND_BYTES = Tuning().scratch_bytes
+GATHER_MAX_BYTES = Tuning().gather_max_bytes
 #: the validation's target: every predicted time within this of the measured one
 VALIDATION_TARGET = 0.20
 #: ``shared-cpu``: every node on the same cores (the emulated cluster); the others: nodes
@@ -138,8 +139,8 @@ FORMS = ("shared-cpu", "pipelined", "sequential", "overlapped")
 FIT_MIN_BYTES = 1 * MiB
 #: ... and the per-collective overhead on ``thread``'s sizes up to this one
 OVERHEAD_MAX_BYTES = 64 << 10
-#: from this size the implementation pipelines its inter-node step (``PIPE_MIN_BYTES``)
-PIPE_MIN_BYTES = 256 << 10
+#: from this size the implementation pipelines its inter-node step
+PIPE_MIN_BYTES = Tuning().pipe_min_bytes
 
 
 def fit(rows: List[dict], key: str) -> Tuple[float, float]:

@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 PAGE = 4096
 #: where the arena's files live (where the MPI libraries put their shared windows too)
 SHM_FOLDER = "/dev/shm"
-#: the smallest chunk of an arena, per rank: many small buffers share one (a larger buffer
-#: gets a chunk of its own size, so a tight /dev/shm is never over-reserved)
-CHUNK_BYTES = 2 << 20
 #: the prefix of the arena's files in ``SHM_FOLDER`` (what a leftovers check looks for)
 FILE_PREFIX = "mpifusion."
 

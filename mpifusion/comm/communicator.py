@@ -138,6 +138,13 @@ def resolve_strategy(choice: str, size: int = 1, per_node: int = 1, uneven: str 
     return "hierarchical", f"auto: {size // per_node} nodes of {per_node} ranks"
 
 
+def _device_ready(arr: Any) -> None:
+    """Wait for the kernels queued on a device array's stream before MPI reads it (a host
+    array has none: no call into the device layer on the small collectives' path)."""
+    if type(arr) is not np.ndarray:
+        cuda.synchronize(arr)
+
+
 def _prepared(prepare: Callable[[], None], steps: Steps) -> Steps:
     """``steps`` once ``prepare()`` ran: when the engine reaches them, after the order check."""
     prepare()
@@ -553,14 +560,14 @@ class Communicator:
         Returns:
             The :class:`~mpifusion.CommTask` (``wait()`` finishes it).
         """
-        cuda.synchronize(buf)
+        _device_ready(buf)
         nbytes = buf.nbytes
         seg, code = self._form(buf.dtype)
         desc = (ALLREDUCE, buf.size, code, -1, *tag)
         if self._on_shm(buf):
             return self._start(
-                lambda seq: shm_steps.allreduce_steps(
-                    self._shm, buf, scale, None, (*desc, self.key), seg, name,
+                lambda seq: shm_steps.shm_allreduce_steps(
+                    self._shm, buf, scale, None, (seq + 1, *desc, self.key), seg, name,
                     gather=self.verify, pipeline=self.options.pipeline),
                 (buf,), name, desc, nbytes, prepare, SHM_WAY)
         ring = (self.size if self.allreduce_way == "ring"
@@ -586,13 +593,13 @@ class Communicator:
                 or not 0 <= root < self.size):
             raise OptionError(f"rank {self.rank}: {name}: root expected a rank in [0, {self.size}), "
                             f"got {root!r}")
-        cuda.synchronize(buf)
+        _device_ready(buf)
         seg, code = self._form(buf.dtype)
         desc = (REDUCE, buf.size, code, int(root), *tag)
         if self._on_shm(buf):
             return self._start(
-                lambda seq: shm_steps.allreduce_steps(
-                    self._shm, buf, scale, int(root), (*desc, self.key), seg, name,
+                lambda seq: shm_steps.shm_allreduce_steps(
+                    self._shm, buf, scale, int(root), (seq + 1, *desc, self.key), seg, name,
                     sent_scale=sent_scale, pipeline=self.options.pipeline),
                 (buf,), name, desc, buf.nbytes, prepare, SHM_WAY)
         return self._start(
@@ -620,14 +627,14 @@ class Communicator:
         if sendbuf.dtype != recvbuf.dtype:
             raise OptionError(f"rank {self.rank}: {name}: expected the receive buffer in the send "
                             f"buffer's dtype {sendbuf.dtype}, got {recvbuf.dtype}")
-        cuda.synchronize(sendbuf)
+        _device_ready(sendbuf)
         seg, code = self._form(sendbuf.dtype)
         desc = (REDUCE_SCATTER, sendbuf.size, code, -1, *tag)
         nbytes = sendbuf.nbytes + recvbuf.nbytes
         if self._on_shm(sendbuf) and self._on_shm(recvbuf):
             return self._start(
-                lambda seq: shm_steps.reduce_scatter_steps(
-                    self._shm, sendbuf, recvbuf, scale, (*desc, self.key),
+                lambda seq: shm_steps.shm_reduce_scatter_steps(
+                    self._shm, sendbuf, recvbuf, scale, (seq + 1, *desc, self.key),
                     shm_steps.chunk_elements(seg, sendbuf.dtype), name,
                     others_scale=others_scale, pipeline=self.options.pipeline),
                 (sendbuf, recvbuf), name, desc, nbytes, prepare, SHM_WAY)
@@ -648,11 +655,12 @@ class Communicator:
         if buf.size % self.size:
             raise OptionError(f"rank {self.rank}: {name}: expected a buffer that splits evenly "
                             f"over {self.size} ranks, got {buf.size} elements")
-        cuda.synchronize(buf)
+        _device_ready(buf)
         desc = (ALLGATHER, buf.size, order_mod.dtype_code(buf.dtype), -1, *tag)
         if self._on_shm(buf):
             return self._start(
-                lambda seq: shm_steps.allgather_steps(self._shm, buf, (*desc, self.key), name),
+                lambda seq: shm_steps.shm_allgather_steps(
+                    self._shm, buf, (seq + 1, *desc, self.key), name),
                 (buf,), name, desc, buf.nbytes, way=SHM_WAY)
         seg = self._segment(buf.dtype)
         return self._start(

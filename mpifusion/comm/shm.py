@@ -83,7 +83,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import OptionError
-from .arena import (CHUNK_BYTES, PAGE, SHM_FOLDER, Arena, Chunk, free_bytes,
+from . import tuning
+from .arena import (PAGE, SHM_FOLDER, Arena, Chunk, free_bytes,
                     live_regions, punch, refill, round_up)
 from .call import Call
 from .health import wait_request
@@ -101,9 +102,6 @@ DESC_WORDS = 8
 #: the last word of a rank's row (apart from ``ROW_FIELDS``): the ``serial`` of the last
 #: small all-reduce whose buffer this rank published in its scratch (:meth:`ShmStream.publish`)
 PUBLISHED_WORD = ROW_WORDS - 1
-#: bytes of a stream's scratch per rank: arrays outside the windows are staged through it in
-#: rounds of this size (1 MiB: the chunk size a prototype ran at)
-SCRATCH_BYTES = 1 << 20
 #: where the scratch starts in a rank's segment of the control window
 SCRATCH_OFFSET = PAGE
 
@@ -280,9 +278,10 @@ class SharedWindow:
 
 class ShmStream:
     """What one stream (a private duplicate with its own engine) needs to run shm
-    collectives: its control window (a descriptor row and a scratch segment per rank), the
-    count of shm collectives it ran (the ``serial`` of the rows), and the accumulators of its
-    reductions (private to this process, reused: one task at a time runs on a stream)."""
+    collectives: its control window (a descriptor row and a scratch segment per rank) and
+    the accumulators of its reductions (private to this process, reused: one task at a time
+    runs on a stream). The ``serial`` of the rows is the collective's place in the stream,
+    passed in by whoever builds its calls (the engine, after stamping it)."""
 
     def __init__(self, memory: "NodeMemory", window: SharedWindow) -> None:
         self.memory = memory
@@ -297,7 +296,6 @@ class ShmStream:
         #: and the number of nodes (``shm``: None, 0, 1)
         self.cross: Optional[MPI.Comm] = None
         self.node, self.nodes = 0, 1
-        self.serial = 0
         self._work: Dict[Tuple[Any, Work, int], np.ndarray] = {}
         self._rows = [seg[:ROW_WORDS * 8].view(np.int64)[:len(ROW_FIELDS)]
                       for seg in window.segments]
@@ -307,7 +305,7 @@ class ShmStream:
         self._published = [seg[PUBLISHED_WORD * 8:(PUBLISHED_WORD + 1) * 8].view(np.int64)
                            for seg in window.segments]
         self._scratches: Dict[Tuple[int, Any], Tuple[np.ndarray, ...]] = {}
-        self._arrived = Call("start", comm=_Arrivals(self), nonblocking=True)
+        self._arrivals = _Arrivals(self)
 
     def span(self, node_comm: MPI.Comm, cross: MPI.Comm) -> None:
         """Make this a ``hierarchical`` stream: barriers on ``node_comm`` (the stream's own
@@ -361,18 +359,21 @@ class ShmStream:
                                                  for q in range(self.size))
         return found
 
-    def publish(self, flat: np.ndarray) -> Tuple[Call, Tuple[np.ndarray, ...]]:
+    def publish(self, flat: np.ndarray,
+                serial: int) -> Tuple[Call, Tuple[np.ndarray, ...]]:
         """An all-gather through the window, for one node (``shm``): ``flat`` copied into
-        this rank's scratch and marked published for this collective (``serial``); the
-        call waits until every rank's is, and the tuple holds every rank's copy.
+        this rank's scratch and marked published for the collective ``serial`` (its place
+        in the stream, counted from 1 and rising, so a peer's word from an earlier one is
+        smaller); the call waits until every rank's is, and the tuple holds every rank's
+        copy.
 
         Only behind the order check: a rank writes its scratch once every rank started this
         collective, so every peer finished reading it in the one before."""
         sources = self.scratches(flat.nbytes, flat.dtype)
         np.copyto(sources[self.rank], flat)
         self.window.sync()  # the copy lands before the word that tells the peers to read it
-        self._published[self.rank][0] = self.serial
-        return self._arrived, sources
+        self._published[self.rank][0] = serial
+        return Call("start", (serial,), comm=self._arrivals, nonblocking=True), sources
 
     def work(self, region: Work, n: int, dtype: Any, slot: int = 0) -> np.ndarray:
         """``n`` elements of ``dtype`` of work region ``region`` (:class:`Work`), ring slot
@@ -396,9 +397,9 @@ class _Arrivals:
         self.stream = stream
         self.serial = 0
 
-    def start(self) -> "_Arrivals":
-        """Start the wait for this collective (one runs at a time on a stream)."""
-        self.serial = self.stream.serial
+    def start(self, serial: int) -> "_Arrivals":
+        """Start the wait for the collective ``serial`` (one runs at a time on a stream)."""
+        self.serial = serial
         return self
 
     def Test(self) -> bool:
@@ -515,7 +516,7 @@ class NodeMemory:
                         f"({total} per rank), {SHM_FOLDER} has {-int(most_free)} free "
                         f"on some rank")
         if grow:  # some rank has no room: every rank adds a chunk (the same size)
-            new, reason = arena.grow(max(total, CHUNK_BYTES), where)
+            new, reason = arena.grow(max(total, tuning.ACTIVE.arena_chunk_bytes), where)
             if new is None:
                 if chunk is not None:
                     arena.unplace(chunk, off, total)
@@ -539,7 +540,8 @@ class NodeMemory:
         order of Communicator construction), or ``(None, reason)``."""
         state = self.streams.get(tag)
         if state is None:
-            win, reason = self.allocate_agreed(SCRATCH_OFFSET + SCRATCH_BYTES, where)
+            win, reason = self.allocate_agreed(
+                SCRATCH_OFFSET + tuning.ACTIVE.scratch_bytes, where)
             if win is None:
                 return None, reason
             state = self.streams[tag] = ShmStream(self, win)

@@ -31,20 +31,25 @@ all-gather of the blocks for all-reduce (each block summed in one place: the sam
 node), a reduce for reduce, a reduce-scatter of the node sums of the shards this local index
 owns for reduce-scatter; all-gather runs over the nodes first, then within the node. Ranks
 are numbered node by node (rank = node * ranks per node + local rank). With
-``CommOptions.pipeline``, from :data:`PIPE_MIN_BYTES` up the inter-node step is a pipeline
+``CommOptions.pipeline``, from ``Tuning.pipe_min_bytes`` up the inter-node step is a pipeline
 (:class:`_CrossPipe`): chunk k moves between the nodes while the node sums chunk k+1, with the
 same calls, sums and bits as one chunk after the other.
 
 The steps, each readable alone: :func:`_opening` (steps 1-2), then a :class:`_Plan` (plain
 data: the arrays, rounds, staged ranks, scale, root) that the steps after it read.
-All-reduce and reduce (:func:`allreduce_steps`): :func:`_gathered_allreduce` (small), else
+All-reduce and reduce (:func:`shm_allreduce_steps`): :func:`_gathered_allreduce` (small), else
 :func:`_in_window_reduction` or :func:`_staged_reduction`, each round by
 :func:`_reduce_round` (:func:`_sum_into`; ``hierarchical``: :func:`_sum_across` and
-:class:`_CrossPipe`). Reduce-scatter (:func:`reduce_scatter_steps`): :func:`_sum_shard`
+:class:`_CrossPipe`). Reduce-scatter (:func:`shm_reduce_scatter_steps`): :func:`_sum_shard`
 within a node, :func:`_cross_reduce_scatter_round` over the nodes. All-gather
-(:func:`allgather_steps`): :func:`_cross_allgather` over the nodes, then
+(:func:`shm_allgather_steps`): :func:`_cross_allgather` over the nodes, then
 :func:`_copy_peer_shards` within the node. The stream's private arrays are named regions
 (``shm.Work``); the shared scratch's layout is said where a round packs it.
+
+Each builder takes ``desc``, this rank's row as the order check describes the collective:
+(serial, kind, count, dtype, root, buffer id, step, communicator key). The serial is the
+collective's place in its stream, counted from 1, which the engine passes in once it
+stamped the collective: nothing here counts collectives itself.
 """
 from __future__ import annotations
 
@@ -61,14 +66,8 @@ from ..errors import CommError, OrderError
 from .call import FENCE, Call, Steps, pipelined
 from .collectives import MPI_TYPES, mpi_spec
 from .order import order_error
+from . import tuning
 from .shm import DESC_WORDS, ShmStream, Work
-
-#: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk (1 MiB: with the
-#: p source chunks it stays in a 2-4 MiB L2; a prototype measured it)
-CHUNK_BYTES = 1 << 20
-#: a slice boundary falls on a multiple of this many elements, so two ranks rarely write
-#: one cache line (64 elements: at least 128 bytes in every dtype)
-CUT_ELEMENTS = 64
 
 # IEEE_ONLY: every sum and scaling here runs under ``np.errstate(all="ignore")`` (never
 # across a ``yield``: the state would leak into the caller's code): an overflow gives inf,
@@ -80,24 +79,6 @@ CUT_ELEMENTS = 64
 # otherwise tries numpy without an errstate, since entering one costs as much as summing
 # 4 KiB, and sums again under it if numpy raised (after writing the whole result).
 
-#: an all-reduce whose buffers of every rank together hold at most this many bytes gathers
-#: them (through the scratch on one node, one MPI_Allgather across nodes) and every rank sums
-#: all of them itself, in rank order: the same bits and the same rank-order sum as the
-#: window's, where the two barriers and the window's bookkeeping cost more than the bytes
-#: (see :func:`_gathered_allreduce`). 2 ranks, MPICH, x thread: a 64 KiB buffer 1.06 by
-#: MPI_Allgather, 0.9-1.4 by the window; from a 128 KiB buffer on the window wins (0.70, and
-#: 0.44 at 256 KiB)
-GATHER_MAX_BYTES = 128 << 10
-
-#: with ``CommOptions.pipeline``, an all-reduce, reduce or reduce-scatter of at least this
-#: many bytes per rank runs ``hierarchical``'s inter-node step as a pipeline
-#: (:class:`_CrossPipe`); below it (and by default) each chunk's inter-node calls are
-#: blocking, one after the other, which keeps a small buffer's latency
-PIPE_MIN_BYTES = 256 << 10
-#: accumulators of the pipeline: chunk k is summed in slot k % PIPE_SLOTS of the ring regions
-#: (``Work.PIPE_ACC``, ``PIPE_PART``, ``RS_BLOCK``, ``RS_OUT``), which its calls use until it
-#: landed; the ``ahead`` bounds below make chunk k - PIPE_SLOTS land first
-PIPE_SLOTS = 4
 
 
 Opened = Generator[Call, None, List[Optional[np.ndarray]]]
@@ -132,16 +113,17 @@ class _Plan:
 
 def chunk_elements(seg: int, dtype: Any) -> int:
     """Elements per accumulator chunk for ``dtype`` buffers: the communicator's segment,
-    at most :data:`CHUNK_BYTES` of the accumulator."""
+    at most ``Tuning.chunk_bytes`` of the accumulator."""
     wide = 4 if np.dtype(dtype) in HALF else np.dtype(dtype).itemsize
-    return max(1, min(seg, CHUNK_BYTES // wide))
+    return max(1, min(seg, tuning.ACTIVE.chunk_bytes // wide))
 
 
 def _cut(m: int, i: int, p: int) -> int:
     """Start of rank ``i``'s slice of ``m`` elements (``i == p``: the end)."""
     if i >= p:
         return m
-    return min(m, -(-(m * i // p) // CUT_ELEMENTS) * CUT_ELEMENTS)
+    cut = tuning.ACTIVE.cut_elements
+    return min(m, -(-(m * i // p) // cut) * cut)
 
 
 def _rounds(n: int, step: int) -> List[Tuple[int, int]]:
@@ -156,8 +138,11 @@ def _counts(m: int, n: int) -> Tuple[list, list]:
 
 
 def _slot(k: int, overlap: bool) -> int:
-    """The ring slot of chunk (or round) ``k``: a ring when pipelined, else slot 0."""
-    return k % PIPE_SLOTS if overlap else 0
+    """The ring slot of chunk (or round) ``k``: a ring when pipelined, else slot 0. Chunk k
+    is summed in slot k % ``Tuning.pipe_slots`` of the ring regions (``Work.PIPE_ACC``,
+    ``PIPE_PART``, ``RS_BLOCK``, ``RS_OUT``), which its calls use until it landed; the
+    ``ahead`` bounds of the pipelined calls make chunk k - slots land first."""
+    return k % tuning.ACTIVE.pipe_slots if overlap else 0
 
 
 def _staged_ranks(arrays: Sequence[Optional[np.ndarray]]) -> Tuple[int, ...]:
@@ -182,14 +167,12 @@ def _opening(stream: ShmStream, desc: Sequence[int], flat: np.ndarray,
     node rank's array (None: staged in its scratch); a problem in the rows is raised on
     every rank alike (:func:`_peer_arrays`)."""
     memory, rank = stream.memory, stream.rank
-    stream.serial += 1
-    serial, offset = memory.locate(flat)
-    if serial < 0:
+    chunk, offset = memory.locate(flat)
+    if chunk < 0:
         stage_first()
     row = stream.row(rank)
-    row[0] = stream.serial
-    row[1:DESC_WORDS] = desc
-    row[DESC_WORDS], row[DESC_WORDS + 1] = serial, offset
+    row[:DESC_WORDS] = desc
+    row[DESC_WORDS], row[DESC_WORDS + 1] = chunk, offset
     # the barriers around the row check are non-blocking on every rank, whatever the size:
     # a collective run polled (small, under a deadline) issues the non-blocking forms, and
     # MPI never matches a blocking barrier with a non-blocking one -- ranks that started
@@ -358,7 +341,7 @@ class _CrossPipe:
 
     def __init__(self, stream: ShmStream, root_node: Optional[int], overlap: bool) -> None:
         self.stream, self.root_node, self.overlap = stream, root_node, overlap
-        self.k = 0          # chunks handed over (their ring slots: k % PIPE_SLOTS)
+        self.k = 0          # chunks handed over (their ring slots: k % Tuning.pipe_slots)
         self.run = 0        # ... since the last flush, after which nothing is in flight
         self.prev: Optional[tuple] = None   # the chunk whose all-gather comes next
 
@@ -389,7 +372,7 @@ class _CrossPipe:
             return
         # chunk k+1 is summed once chunks up to k-2 landed: their slots are free
         yield pipelined("Reduce", args, kwargs, land, comm=stream.cross,
-                        ahead=PIPE_SLOTS - 2)
+                        ahead=tuning.ACTIVE.pipe_slots - 2)
 
     def _scatter_gather(self, acc: np.ndarray, land: Callable[[], None], k: int,
                         run: int) -> Steps:
@@ -410,7 +393,7 @@ class _CrossPipe:
             land()
             return
         yield pipelined("Reduce_scatter", scatter, kwargs, comm=stream.cross,
-                        ahead=PIPE_SLOTS - 1)
+                        ahead=tuning.ACTIVE.pipe_slots - 1)
         if self.prev is not None:
             # issue order since the flush: RS(0), RS(1), AG(0), RS(2), AG(1), ...: AG(k-1)
             # may leave AG(k-2) and RS(k) in flight, not RS(k-1); AG(0) only RS(1)
@@ -440,7 +423,7 @@ class _CrossPipe:
 
 # ------------------------------------------------------------------ all-reduce and reduce
 
-def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
+def shm_allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
                     root: Optional[int], desc: Sequence[int], seg: int, name: str,
                     sent_scale: Optional[float] = None, gather: bool = False,
                     pipeline: bool = False) -> Steps:
@@ -453,7 +436,7 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     every rank of the node (or the root's); its rounds are always a scratch's size, so every
     node cuts the same slices whether or not it stages.
 
-    ``pipeline``: the inter-node step as a pipeline from :data:`PIPE_MIN_BYTES`
+    ``pipeline``: the inter-node step as a pipeline from ``Tuning.pipe_min_bytes``
     (:class:`_CrossPipe`).
 
     ``gather``: a small all-reduce may take :func:`_gathered_allreduce`, where the order
@@ -461,14 +444,15 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
     a peer that started another collective would meet the ``Allgather`` with a barrier."""
     flat = buf.reshape(-1)
     if (gather and root is None
-            and stream.size * stream.nodes * flat.nbytes <= GATHER_MAX_BYTES):
-        yield from _gathered_allreduce(stream, flat, scale, seg)
+            and stream.size * stream.nodes * flat.nbytes
+            <= tuning.ACTIVE.gather_max_bytes):
+        yield from _gathered_allreduce(stream, desc[0], flat, scale, seg)
         return
     plan = yield from _open_reduction(stream, flat, scale, root, desc, seg, name)
     cross: Optional[_CrossPipe] = None
     if stream.cross is not None:  # the same on every rank: agreed option, same buffer size
         cross = _CrossPipe(stream, None if plan.root is None else plan.root[0],
-                           overlap=pipeline and flat.nbytes >= PIPE_MIN_BYTES)
+                           overlap=pipeline and flat.nbytes >= tuning.ACTIVE.pipe_min_bytes)
     if plan.staged:
         yield from _staged_reduction(stream, plan, cross)
     else:
@@ -478,20 +462,19 @@ def allreduce_steps(stream: ShmStream, buf: np.ndarray, scale: Optional[float],
             backend.scale_(flat, sent_scale)
 
 
-def _gathered_allreduce(stream: ShmStream, flat: np.ndarray, scale: Optional[float],
-                        seg: int) -> Steps:
+def _gathered_allreduce(stream: ShmStream, serial: int, flat: np.ndarray,
+                        scale: Optional[float], seg: int) -> Steps:
     """A small all-reduce as an all-gather of every rank's buffer; every rank then sums all
     of them in rank order as :func:`_sum_into` sums a slice, so every rank computes, and
     holds, the same bits. On one node the buffers go through the ranks' scratch
     (``ShmStream.publish``: a copy and a word per rank, no MPI call); ``hierarchical`` runs
     one ``MPI_Allgather`` over the whole communicator. Only behind the order check (see
-    :func:`allreduce_steps`), which compares what the window's rows would, and which is
+    :func:`shm_allreduce_steps`), which compares what the window's rows would, and which is
     what makes reusing the scratch safe. 2 ranks, 4 KiB: two barriers and the window's
     bookkeeping took 60-80 us a step, ``thread`` 27-47 us; the ``Allgather`` cost Open MPI
     4.2 us where its ``Allreduce`` takes 1.7 us, the scratch about 1.5 us."""
-    stream.serial += 1  # in step with the window's rows on every rank
     if stream.nodes == 1 and flat.nbytes <= stream.scratch_bytes:
-        arrived, sources = stream.publish(flat)
+        arrived, sources = stream.publish(flat, serial)
         yield arrived
     else:
         rows, sources = stream.gathered(flat.nbytes, flat.dtype)
@@ -591,7 +574,7 @@ def _round_piece(stream: ShmStream, plan: _Plan, q: int, a: int, b: int) -> np.n
 
 # -------------------------------------------------------------------------- reduce-scatter
 
-def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.ndarray,
+def shm_reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.ndarray,
                          scale: Optional[float], desc: Sequence[int], chunk: int, name: str,
                          others_scale: Optional[float] = None,
                          pipeline: bool = False) -> Steps:
@@ -602,7 +585,7 @@ def reduce_scatter_steps(stream: ShmStream, sendbuf: np.ndarray, recvbuf: np.nda
 
     ``hierarchical``: local rank ``l`` sums, over its node, the shards that local rank ``l``
     of every node owns, then a reduce-scatter over those ranks gives each its own shard;
-    with ``pipeline``, from :data:`PIPE_MIN_BYTES` up round i's reduce-scatter moves while the
+    with ``pipeline``, from ``Tuning.pipe_min_bytes`` up round i's reduce-scatter moves while the
     node sums round i+1 (as :class:`_CrossPipe`), and lands (scaled, written) in round
     order."""
     send, recv = sendbuf.reshape(-1), recvbuf.reshape(-1)
@@ -644,7 +627,7 @@ def _open_reduce_scatter(stream: ShmStream, send: np.ndarray, recv: np.ndarray,
     hier = stream.cross is not None
     rounds = _rounds(shard, piece if staged or hier else max(shard, 1))
     return _Plan(send, tuple(arrays), staged, tuple(rounds), scale, chunk, recv=recv,
-                 overlap=pipeline and hier and send.nbytes >= PIPE_MIN_BYTES)
+                 overlap=pipeline and hier and send.nbytes >= tuning.ACTIVE.pipe_min_bytes)
 
 
 def _pack_for_peers(stream: ShmStream, send: np.ndarray, shard: int, a: int, b: int) -> None:
@@ -699,7 +682,7 @@ def _cross_reduce_scatter_round(stream: ShmStream, plan: _Plan, i: int, a: int,
     land = partial(_finish, out, [plan.recv], a, b, plan.scale)
     if plan.overlap:
         yield pipelined("Reduce_scatter_block", args, {"op": MPI.SUM}, land,
-                        comm=stream.cross, ahead=PIPE_SLOTS - 2)
+                        comm=stream.cross, ahead=tuning.ACTIVE.pipe_slots - 2)
     else:
         yield Call("Reduce_scatter_block", args, {"op": MPI.SUM}, comm=stream.cross)
         land()
@@ -707,7 +690,7 @@ def _cross_reduce_scatter_round(stream: ShmStream, plan: _Plan, i: int, a: int,
 
 # ------------------------------------------------------------------------------ all-gather
 
-def allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
+def shm_allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
                     name: str) -> Steps:
     """Every rank's shard of ``buf`` (its own, in place) into every rank's ``buf``: raw
     copies, any dtype. ``hierarchical``: first over the nodes (each rank gathers the shards
@@ -734,11 +717,11 @@ def allgather_steps(stream: ShmStream, buf: np.ndarray, desc: Sequence[int],
 
 def _cross_allgather(stream: ShmStream, flat: np.ndarray, shard: int) -> Steps:
     """``hierarchical``: this rank's shard to the ranks of the same local index on every
-    node, and theirs into this rank's array, in pieces of at most :data:`CHUNK_BYTES`
+    node, and theirs into this rank's array, in pieces of at most ``Tuning.chunk_bytes``
     (received in ``Work.CROSS_BLOCK``)."""
     nodes, p, rank = stream.nodes, stream.size, stream.rank
     me = stream.node * p + rank
-    piece = max(1, min(shard, CHUNK_BYTES // max(flat.itemsize, 1) // nodes))
+    piece = max(1, min(shard, tuning.ACTIVE.chunk_bytes // max(flat.itemsize, 1) // nodes))
     for a in range(0, shard, piece):
         b = min(a + piece, shard)
         block = stream.work(Work.CROSS_BLOCK, nodes * (b - a) * flat.itemsize, np.uint8)

@@ -44,17 +44,26 @@ class Tuning:
         "used this recently, then sleeps until a start wakes it")})
     chunk_bytes: int = field(default=1 << 20, metadata={"why": (
         "shm: bytes of the fp32/fp64 accumulator a slice is summed in, chunk by chunk; with "
-        "the p source chunks it stays in a 2-4 MiB L2")})
+        "the p source chunks it stays in a 2-4 MiB L2 (a prototype measured it); also the "
+        "largest piece of hierarchical's inter-node all-gather")})
+    cut_elements: int = field(default=64, metadata={"why": (
+        "shm: a rank's slice of a buffer starts on a multiple of this many elements, so two "
+        "ranks rarely write one cache line (64 elements: at least 128 bytes in any dtype); "
+        "which rank sums an element never changes its bits")})
     gather_max_bytes: int = field(default=128 << 10, metadata={"why": (
         "shm: an all-reduce whose buffers of every rank together hold at most this many "
-        "bytes is gathered and summed by every rank (2 ranks, x thread: 64 KiB 1.06 "
-        "gathered, 0.9-1.4 in the window; from 128 KiB the window wins, 0.70)")})
+        "bytes is gathered (through the scratch on one node, one MPI_Allgather across "
+        "nodes) and summed by every rank in rank order, the window's bits, where two "
+        "barriers cost more than the bytes (2 ranks, MPICH, x thread: 64 KiB 1.06 "
+        "gathered, 0.9-1.4 in the window; from 128 KiB the window wins, 0.70, and 0.44 at "
+        "256 KiB)")})
     scratch_bytes: int = field(default=1 << 20, metadata={"why": (
         "shm: each rank's staging scratch in the stream's window; arrays outside a window "
-        "go through it in rounds of this size")})
+        "go through it in rounds of this size (1 MiB: the chunk size a prototype ran at)")})
     pipe_min_bytes: int = field(default=256 << 10, metadata={"why": (
         "hierarchical with pipeline=True: from this many bytes per rank the inter-node "
-        "step is pipelined; below it a small buffer keeps its latency")})
+        "step is pipelined; below it each chunk's inter-node calls are blocking, one after "
+        "the other, which keeps a small buffer's latency")})
     pipe_slots: int = field(default=4, metadata={"why": (
         "hierarchical pipeline: accumulators in its ring (chunk k in slot k % slots, reused "
         "once it landed); 4 lets a reduce-scatter, an all-gather and the next chunk's sum "

@@ -10,13 +10,15 @@ staged through a one-page scratch. Serially: a node size that does not divide th
 Run with ``mpiexec -n N python -m mpi4py -m pytest --only-mpi
 tests/comm/test_hierarchical_strategy.py``.
 """
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpifusion import HookAction
 from mpifusion.comm import Communicator, release
-from mpifusion.comm import shm
+from mpifusion.comm import shm, tuning
 from mpifusion.config import CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.errors import OptionError
@@ -80,7 +82,7 @@ def test_buffer_actions_over_emulated_nodes(comm, nodes, per):
 def test_arrays_outside_the_windows_over_emulated_nodes(comm, monkeypatch):
     """2x2 nodes, a one-page scratch: plain arrays on odd ranks, window arrays on even ones,
     sizes from nothing to several rounds; the round structure is the same on every node."""
-    monkeypatch.setattr(shm, "SCRATCH_BYTES", 4096)
+    monkeypatch.setattr(tuning, "ACTIVE", replace(tuning.ACTIVE, scratch_bytes=4096))
     sub = sub_comm(comm, 2, 2)
     if sub is None:
         return
@@ -124,7 +126,7 @@ def test_arrays_outside_the_windows_over_emulated_nodes(comm, monkeypatch):
 
 @pytest.mark.mpi(min_size=4)
 def test_small_all_reduce_over_emulated_nodes_is_the_rank_order_sum(comm, monkeypatch):
-    """A small all-reduce (GATHER_MAX_BYTES over all ranks) gathers every rank's buffer
+    """A small all-reduce (``Tuning.gather_max_bytes`` over all ranks) gathers every rank's buffer
     across the nodes and each rank sums them in rank order: random values, the bits of that
     sum on every rank, for every dtype; the gathered path is the one that ran."""
     from mpifusion.comm import shm_collectives
@@ -194,8 +196,9 @@ def test_pipelined_inter_node_step_gives_the_same_bits(comm, nodes, per, staged,
     a float64 sum; the pipelined calls must have run with chunks in flight."""
     from mpifusion.comm import engines, shm_collectives
 
-    monkeypatch.setattr(shm, "SCRATCH_BYTES", 16 << 10)
-    monkeypatch.setattr(shm_collectives, "PIPE_MIN_BYTES", 0)  # small buffers pipelined too
+    # a small scratch (many rounds); small buffers pipelined too
+    monkeypatch.setattr(tuning, "ACTIVE", replace(tuning.ACTIVE, scratch_bytes=16 << 10,
+                                                  pipe_min_bytes=0))
     if lazy:
         monkeypatch.setattr(engines, "_land_until", _lazy_land_until)
     sub = sub_comm(comm, nodes, per)

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from mpi4py import MPI
 from mpifusion import FusedCommBuffer, HookAction, Param
 from mpifusion.comm import Communicator, release
 from mpifusion.arrays import halfcast
-from mpifusion.comm import shm
+from mpifusion.comm import shm, tuning
 from mpifusion.config import STRATEGIES, CommOptions
 from mpifusion.dtypes import bfloat16, float16, float32
 from mpifusion.errors import CommTimeoutError, OptionError, OrderError
@@ -266,7 +267,7 @@ def test_a_new_buffer_costs_no_memory_until_its_grads_are_written(comm):
 def small_scratch(comm, monkeypatch):
     """A communicator of its own whose shm streams have a one-page scratch (the same on
     every rank), so that staging takes several rounds at small sizes."""
-    monkeypatch.setattr(shm, "SCRATCH_BYTES", SCRATCH)
+    monkeypatch.setattr(tuning, "ACTIVE", replace(tuning.ACTIVE, scratch_bytes=SCRATCH))
     sub = comm.Dup()
     yield sub
     release(sub)
@@ -401,14 +402,14 @@ def test_rows_refuse_different_collectives_without_the_order_check(comm):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_small_all_reduce_is_the_rank_order_sum_by_gather_and_by_window(comm, dtype,
                                                                        monkeypatch):
-    """A small all-reduce (every rank's buffer together at most GATHER_MAX_BYTES) is an
+    """A small all-reduce (every rank's buffer together at most ``gather_max_bytes``) is an
     all-gather, each rank summing every buffer in rank order itself; with verify_order=False
     it takes the window. Random values (not exact sums): both give the bits of the rank-order
     sum computed here, on every rank, with 1/n applied once."""
     from mpifusion.comm import shm_collectives
 
     n, rank = comm.Get_size(), comm.Get_rank()
-    numel = shm_collectives.GATHER_MAX_BYTES // (8 * n)  # fits as fp64 at every rank count
+    numel = tuning.ACTIVE.gather_max_bytes // (8 * n)  # fits as fp64 at every rank count
     draws = [np.random.default_rng([r, numel]).standard_normal(numel) for r in range(n)]
     wide = np.float64 if np.dtype(dtype) == np.float64 else np.float32
     acc = draws[0].astype(dtype).astype(wide)
@@ -454,9 +455,10 @@ def test_small_all_reduces_through_the_scratch_under_skewed_starts(comm, monkeyp
     published = []
     real = shm.ShmStream.publish
     monkeypatch.setattr(shm.ShmStream, "publish",
-                        lambda self, flat: (published.append(flat.size), real(self, flat))[1])
+                        lambda self, flat, serial: (published.append(flat.size),
+                                                    real(self, flat, serial))[1])
     c = Communicator(comm, opts())
-    small = shm_collectives.GATHER_MAX_BYTES // (4 * n)
+    small = tuning.ACTIVE.gather_max_bytes // (4 * n)
     scale = np.float32(1.0 / n)
     for i in range(60):
         rng = np.random.default_rng([7, i])  # the same draws on every rank
