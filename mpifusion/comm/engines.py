@@ -451,12 +451,6 @@ class ThreadEngine(Engine):
             return
         self._run_steps(task, None)
 
-    def _execute_until(self, task: Collective, deadline: float) -> bool:
-        """Run a ``polled`` task's calls, polling each, until ``deadline``: True once done (or
-        failed); False if the deadline passed, leaving the call in flight in
-        ``task.requests`` (with its arrays) for :meth:`_execute` to finish."""
-        return self._run_steps(task, deadline)
-
     def _run_steps(self, task: Collective, deadline: Optional[float]) -> bool:
         """The one loop over a task's calls: without ``deadline`` each call completes before
         the next (a non-blocking form is waited for: see call.py), except a pipelined call
@@ -586,7 +580,9 @@ class ThreadEngine(Engine):
                     if timeout is None:
                         self._execute(task)
                     else:
-                        finished = self._execute_until(task, time.monotonic() + timeout)
+                        # a polled task's calls until the deadline; False leaves the call
+                        # in flight in task.requests (with its arrays) for _execute
+                        finished = self._run_steps(task, time.monotonic() + timeout)
                 finally:
                     if not finished:  # the thread finishes it, before anything started later
                         with self.lock:
