@@ -1,6 +1,6 @@
 """The blocks of docs/oracle.md's "Use mpifusion as the oracle in your tests" run as written
 (each as a script, with a hard timeout) and say what they promise; each is skipped where its
-framework is not installed."""
+framework is not installed. So does the page's opening example (the README's, included)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_job
+from tests.helpers import run_cmd, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "## Use mpifusion as the oracle in your tests"
@@ -28,6 +28,22 @@ def blocks() -> dict:
                 found[name] = code
                 break
     return found
+
+
+def opening_example() -> str:
+    """The page's first example: the README's block it includes (test_shared_blocks.py)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    part = readme.split("<!-- oracle-example:start -->")[1].split("<!-- oracle-example:end -->")[0]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+def test_the_opening_example_runs_and_passes(tmp_path):
+    script = tmp_path / "oracle_opening.py"
+    script.write_text(opening_example(), encoding="utf-8")
+    out = run_cmd([sys.executable, str(script)], timeout=120, cwd=str(tmp_path))  # no MPI
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "PASS: 1 params bit-exact (exact inputs)"
+    assert "PASS: 1 params bit-exact (exact inputs)" in (ROOT / "docs" / "oracle.md").read_text()
 
 
 def test_the_section_has_a_block_per_framework():

@@ -1,12 +1,15 @@
 """Every ``pip install`` of torch that the README or a docs page shows (in a code block or an
 inline code span) takes PyTorch's CPU index in the same command: PyPI's Linux torch is the
 CUDA build (several GB of nvidia-* wheels), and a reader copies the command, not the prose
-around it."""
+around it. A docs page is read as its reader sees it, with its ``{include}`` directives
+resolved: the pages show the README's one install line (test_shared_blocks.py)."""
 from __future__ import annotations
 
 import re
 import shlex
 from pathlib import Path
+
+from tests.docs.pages import rendered_source
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -14,6 +17,12 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 def pages() -> list:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def shown(page: Path) -> str:
+    """What a page shows: a docs page with its includes resolved, the README as it is."""
+    return rendered_source(page) if page.parent.name == "docs" else page.read_text(
+        encoding="utf-8")
 
 
 def code(text: str) -> list:
@@ -52,7 +61,7 @@ def installs_torch(words: list) -> bool:
 def test_every_torch_install_shown_takes_the_cpu_index():
     seen, bad = 0, []
     for page in pages():
-        for snippet in code(page.read_text(encoding="utf-8")):
+        for snippet in code(shown(page)):
             for words in pip_installs(snippet):
                 if not installs_torch(words):
                     continue

@@ -33,8 +33,10 @@ def pages() -> List[Path]:
 
 
 def transcripts(text: str) -> List[List[tuple]]:
-    """[(command, [expected lines])] per transcript block of ``text``."""
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+    """[(command, [expected lines])] per transcript block of ``text``. Every fenced block is
+    read whatever its info string (``{include} ...`` too), so fences pair as Markdown pairs
+    them."""
+    blocks = re.findall(r"^```[^`\n]*\n(.*?)^```", text, re.S | re.M)
     out = []
     for block in blocks:
         lines = block.rstrip("\n").split("\n")
