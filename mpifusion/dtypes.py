@@ -116,3 +116,17 @@ def itemsize(value: Any) -> int:
 
 def is_half(value: Any) -> bool:
     return dtype_name(value) in HALF_NAMES
+
+
+def finfo(value: Any) -> Any:
+    """Machine limits of a float dtype, bfloat16 included: numpy's ``finfo`` refuses
+    bfloat16 with ml_dtypes before 0.7 (the newest on Python 3.9 is 0.5), ml_dtypes' own
+    ``finfo`` gives the same fields for it."""
+    import numpy as np
+
+    dtype = as_dtype(value)
+    if dtype.name == "bfloat16":
+        import ml_dtypes  # loaded already: a bfloat16 dtype came from it
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)

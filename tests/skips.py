@@ -7,8 +7,9 @@ into skips that nobody reads. With ``--strict-skips`` (or ``MPIFUSION_STRICT_SKI
 skip fails the run unless its reason falls in a category allowed here:
 
 - always: ``gpu`` (this machine has no GPU: the cupy and CUDA-aware paths run on a GPU
-  runner) and ``ranks`` (a test needs another rank count; the run at that count takes it, and
-  ``report`` checks across the runs that it did);
+  runner), ``cpu`` (a half-precision kernel path this CPU lacks, e.g. AVX-512: a CPU that has
+  it runs it, and every path this CPU has runs here) and ``ranks`` (a test needs another rank
+  count; the run at that count takes it, and ``report`` checks across the runs that it did);
 - when the machine cannot do better: ``root`` for a non-root user, ``compiler`` where no C
   compiler is installed (the half-precision kernel is an optional extension);
 - only when asked with ``MPIFUSION_ALLOW_SKIPS=cat1,cat2`` (scripts/test.sh asks for what it
@@ -63,6 +64,8 @@ class Category:
 CATEGORIES: Tuple[Category, ...] = (
     Category("gpu", r"cupy|\bGPU\b|CUDA|one device only",
              "no GPU here: the cupy and CUDA-aware MPI paths run on a GPU runner", always=True),
+    Category("cpu", r"this CPU has no",
+             "a kernel path this CPU lacks: a CPU that has it runs it", always=True),
     Category("ranks", r"\branks?\b|MPI processes",
              "another rank count runs it (report checks that one did)", always=True),
     Category("openmpi", r"Open ?MPI|OPENMPI",

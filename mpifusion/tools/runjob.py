@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..runtime.buffer import FusedCommBuffer, HookAction
-from ..dtypes import as_dtype, dtype_name
+from ..dtypes import as_dtype, dtype_name, finfo
 from ..runtime.fusion import fused_parameters
 from ..oracle import ErrorStats, bound_model, error_bound, format_ratio
 from ..oracle.inputs import exact_formula, exact_tolerance
@@ -194,7 +194,7 @@ def _table_dtype(spec: Spec) -> Any:
     """The least precise grad dtype of the run: its values convert exactly to every other
     grad dtype (a model mixes fp32 with at most one half dtype), so one table feeds all."""
     return min((as_dtype(_grad_dtype(spec, ps)) for ps in spec.fused_params()),
-               key=lambda d: np.finfo(d).nmant)
+               key=lambda d: finfo(d).nmant)
 
 
 def _prescaled(options: RunOptions) -> bool:

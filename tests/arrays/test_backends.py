@@ -6,7 +6,7 @@ import pytest
 
 from mpifusion import FusedCommBuffer, Param
 from mpifusion.arrays import backend, cuda
-from mpifusion.dtypes import float16, float32
+from mpifusion.dtypes import finfo, float16, float32
 
 BACKENDS = [
     pytest.param("numpy", id="numpy"),
@@ -111,7 +111,7 @@ def test_reduction_over_ranks(comm, xp, transfer, dtype, act):
         buf.add_grad(p, grad=xp.asarray(local.astype(dtype)))
     buf.scale_grads()
     mean = (n + 1) / 2.0
-    u = np.finfo(dtype).eps
+    u = finfo(dtype).eps
     if act == "all_reduce":
         for p in params:
             want = mean * (np.arange(p.numel, dtype=np.float64).reshape(p.shape) % 7 + 1)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpifusion.arrays import backend, halfcast
-from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.dtypes import bfloat16, finfo, float16, float32
 from mpifusion.errors import OptionError
 
 from tests.helpers import run_cmd
@@ -518,11 +518,11 @@ def wide_patterns(rng, n, dt, ut):
     if kind == 0:
         return rng.integers(0, np.iinfo(ut).max, n, dtype=ut, endpoint=True).view(dt)
     if kind == 1:
-        exp = rng.integers(np.finfo(dt).minexp - 20, np.finfo(dt).maxexp, n)
+        exp = rng.integers(finfo(dt).minexp - 20, finfo(dt).maxexp, n)
         with np.errstate(over="ignore"):
             return np.ldexp(rng.standard_normal(n), exp).astype(dt)
-    return rng.choice(np.array([0.0, -0.0, 1.0, 2.0 ** -24, np.finfo(dt).max,
-                                np.finfo(dt).smallest_subnormal], dtype=dt), n)
+    return rng.choice(np.array([0.0, -0.0, 1.0, 2.0 ** -24, finfo(dt).max,
+                                finfo(dt).smallest_subnormal], dtype=dt), n)
 
 
 @pytest.mark.parametrize("dt,ut", WIDE)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mpifusion import FusedCommBuffer, Param
-from mpifusion.dtypes import bfloat16, float16, float32
+from mpifusion.dtypes import bfloat16, finfo, float16, float32
 
 pytestmark = pytest.mark.mpi
 
@@ -26,17 +26,17 @@ U32 = 2.0 ** -24
 
 
 def _unit_roundoff(dtype) -> float:
-    return float(np.finfo(dtype).eps) / 2
+    return float(finfo(dtype).eps) / 2
 
 
 def _tiny(dtype) -> float:
-    return float(np.finfo(dtype).smallest_subnormal) / 2
+    return float(finfo(dtype).smallest_subnormal) / 2
 
 
 def _grid_grads(n: int, dtype, seed: int) -> list:
     """Per rank, per param: half values k * 2^-(p-1) with |k| <= 2^(p-1), p the significand
     bits. Any sum of <= 8 of them needs <= p + 3 bits: exact in fp32, whatever the order."""
-    p = np.finfo(dtype).nmant + 1
+    p = finfo(dtype).nmant + 1
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from mpifusion.dtypes import finfo
 from mpifusion.errors import FusionError, OptionError, OracleMismatch
 from mpifusion.oracle import assert_matches_reference, check, error_bound
 from mpifusion.oracle.dumps import DumpError
@@ -627,7 +628,7 @@ def test_prescaled_half_average_in_the_subnormal_range_passes(dtype, nranks):
     import ml_dtypes
 
     half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    tiny = float(np.finfo(half).smallest_subnormal)
+    tiny = float(finfo(half).smallest_subnormal)
     rng = np.random.default_rng(nranks)
     xs = [(rng.integers(1, 12, 64) * tiny).astype(half) for _ in range(nranks)]
     scale = np.float32(1.0 / nranks)

@@ -88,9 +88,11 @@ def test_every_entry_says_date_commit_machine_and_default():
         assert (e["default_strategy"] is None) == (e["setting"] is None), where
         assert e["default_strategy"] in STRATEGIES + (None,), where
         assert e["setting"] in record.SETTINGS + (None,), where
-    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.strip() == "true"
-    if not shallow:  # a shallow clone lacks the old commits; their form is checked above
+    # a shallow clone lacks the old commits, and a copy of the files (the suite's run as
+    # another user) has no history at all: there the commits' form is what is checked
+    probe = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if probe.returncode == 0 and probe.stdout.strip() == "false":
         assert _commits_exist(sorted({e["commit"] for e in entries})) == []
 
 
@@ -124,8 +126,8 @@ def test_a_recorded_run_has_its_header_and_manifest_entry(tmp_path, capsys):
     head, body = (tmp_path / (base + ".txt")).read_text().split("\n", 1)
     assert body.startswith("| size | us |")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    assert e["commit"] == commit and commit in head
+                            text=True).stdout.strip() or None  # None: a copy, no history
+    assert e["commit"] == commit and (commit is None or commit in head)
     assert e["machine"]["cpu"] in head and "MPICH 5.0.2" in head and e["date"] in head
     assert e["machine"]["cores"] == os.cpu_count() and e["machine"]["mpi"] == ["MPICH 5.0.2"]
     assert (e["default_strategy"], e["setting"]) == ("shm", "one node")
