@@ -33,12 +33,28 @@ def included_text(page: Path, target: str, options: dict) -> str:
     """The text an ``{include}`` of ``target`` in ``page`` puts there (its ``start-after`` and
     ``end-before`` applied, as MyST applies them), itself with its includes resolved."""
     path = (page.parent / target).resolve()
-    text = path.read_text(encoding="utf-8")
+    text = (generated_text(path) if path.parent == DOCS / "_generated"
+            else path.read_text(encoding="utf-8"))
     if "start-after" in options:
         text = text.split(options["start-after"], 1)[1]
     if "end-before" in options:
         text = text.split(options["end-before"], 1)[0]
     return resolve_includes(text, path)
+
+
+def generated_text(path: Path) -> str:
+    """A page the docs build generates (``docs/_generated/``), made as the build makes it:
+    a fresh checkout has none until the site is built."""
+    import sys
+
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import generated
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    if path.name == "environment.md":
+        return generated.environment_table()
+    raise FileNotFoundError(f"{path}: not a page the docs build generates as text")
 
 
 def resolve_includes(text: str, page: Path) -> str:
