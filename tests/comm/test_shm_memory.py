@@ -124,7 +124,9 @@ def ran_flat(which, mode, n, timeout):
     proc = in_private_shm(which, 2, [mode, n], timeout=timeout)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"rank"')]
+    # each rank prints one JSON object; the launcher may join two ranks' lines into one
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(out, m.start())[0] for m in re.finditer(r'\{"rank"', out)]
     assert len(rows) == 2, out[-3000:]
     for row in rows:
         assert row["mode"] == mode and row["n"] == n
