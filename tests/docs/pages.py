@@ -42,18 +42,23 @@ def included_text(page: Path, target: str, options: dict) -> str:
     return resolve_includes(text, path)
 
 
-def generated_text(path: Path) -> str:
-    """A page the docs build generates (``docs/_generated/``), made as the build makes it:
-    a fresh checkout has none until the site is built."""
+def load_ext(name: str):
+    """A module of the docs build's own extensions (``docs/_ext``), imported as conf.py does."""
+    import importlib
     import sys
 
     sys.path.insert(0, str(DOCS / "_ext"))
     try:
-        import generated
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(DOCS / "_ext"))
+
+
+def generated_text(path: Path) -> str:
+    """A page the docs build generates (``docs/_generated/``), made as the build makes it:
+    a fresh checkout has none until the site is built."""
     if path.name == "environment.md":
-        return generated.environment_table()
+        return load_ext("generated").environment_table()
     raise FileNotFoundError(f"{path}: not a page the docs build generates as text")
 
 

@@ -13,6 +13,7 @@ import pytest
 from mpifusion import FusedCommBuffer, fused_parameters, obtain_storage
 from mpifusion.config import STRATEGIES
 from tests.helpers import run_job
+from tests.docs.pages import load_ext
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -22,13 +23,7 @@ FIGURE_REF = re.compile(r"_generated/figures/([\w-]+)\.svg")
 
 @pytest.fixture(scope="module")
 def ext():
-    sys.path.insert(0, str(DOCS / "_ext"))
-    try:
-        import figures
-        import generated
-    finally:
-        sys.path.remove(str(DOCS / "_ext"))
-    return figures, generated
+    return load_ext("figures"), load_ext("generated")
 
 
 def test_every_figure_is_shown_and_every_shown_figure_is_drawn(ext):

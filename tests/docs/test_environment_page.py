@@ -5,13 +5,13 @@ docs build writes (``docs/_ext/generated.py``) has one row per definition, as it
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from mpifusion import config
 from mpifusion.config import ENVIRONMENT, CommOptions
+from tests.docs.pages import load_ext
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -21,12 +21,7 @@ NAME = re.compile(r"\b(?:MPIFUSION_[A-Z0-9_]*[A-Z0-9]|FLAGS_[a-z_]+)\b")
 
 @pytest.fixture(scope="module")
 def generated():
-    sys.path.insert(0, str(DOCS / "_ext"))
-    try:
-        import generated as module
-    finally:
-        sys.path.remove(str(DOCS / "_ext"))
-    return module
+    return load_ext("generated")
 
 
 def names_in(paths) -> dict:
