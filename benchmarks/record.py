@@ -46,6 +46,7 @@ TARGETS = {
                     "other strategies",
     "half-step": "a half-precision step against the fp32 step",
     "halfcast": "half-precision casts against a memcpy (no MPI)",
+    "halfcast-sums": "fp16/bf16 sums per kernel path and kind of data (no MPI)",
     "small-messages": "small all-reduces against raw MPI",
     "segment-size": "the step per segment size",
     "nonblocking-window": "the nonblocking strategy's window against thread",

@@ -547,6 +547,10 @@ SECTIONS: List[Callable[[Sequence[Entry]], Optional[Section]]] = [
     _simple_table("halfcast", "Half-precision casts: the `halfcast` kernel against a memcpy",
                   "Casts of one segment, x a memcpy of the fp32 segment in the same round "
                   "(median, min-max over rounds); the first run in the file.", pick=0),
+    _simple_table("halfcast-sums", "Half-precision sums: does bf16 depend on the data?",
+                  "`sum_half` of 2 sources per bf16 kernel path and kind of data, x the fp16 "
+                  "sum of normal values in the same round (median, min-max over rounds).",
+                  pick=-1),
     sec_scaling,
 ]
 #: targets with no table of their own (their figures stay in BENCHMARKS.md until they are
