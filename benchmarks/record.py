@@ -132,9 +132,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def _slug(text: str) -> str:
+    """An MPI library's short name in file names: the ``--mpi`` names of the scripts."""
     low = text.lower()
-    return "openmpi" if "open mpi" in low else "mpich" if "mpich" in low else \
-        "".join(c for c in low.split()[0] if c.isalnum()) if low.split() else ""
+    for name, slug in (("open mpi", "openmpi"), ("mpich", "mpich"), ("intel", "impi")):
+        if name in low:
+            return slug
+    return "".join(c for c in low.split()[0] if c.isalnum()) if low.split() else ""
 
 
 def new_prefix(folder: str, stem: str, mpi: Sequence[str] = (),

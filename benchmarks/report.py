@@ -405,7 +405,8 @@ def sec_cluster(entries: Sequence[Entry]) -> Optional[Section]:
                 continue
             checks = {what.replace("cluster: ", ""): (value, target)
                       for what, value, target in cluster_checks(cl)}
-            row = [cl["meta"].get("mpi", "-"), f"{run['nodes']} x {run['ranks_per_node']}",
+            mpi = cl["meta"].get("mpi", "-").replace("Intel(R) MPI Library", "Intel MPI")
+            row = [mpi.split(" for ")[0], f"{run['nodes']} x {run['ranks_per_node']}",
                    f"{run['rate']}, {cl['link']['rate_Bps'] / 1e9:.2f} GB/s"]
             for start in keys:
                 hit = next(((w, v, t) for w, (v, t) in checks.items() if w.startswith(start)),
