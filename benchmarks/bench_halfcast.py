@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,6 +40,30 @@ def _time(fn: Callable[[], object], repeat: int) -> float:
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 
+
+
+Series = Dict[str, List[float]]
+
+
+def _rounds(cands: Dict[str, Callable[[], object]], base: str, rounds: int,
+            repeat: int) -> Tuple[Series, Series]:
+    """Every candidate's time per round and its ratio to ``base`` in the same round."""
+    times: Series = {k: [] for k in cands}
+    ratios: Series = {k: [] for k in cands}
+    for _ in range(rounds):
+        t = {k: _time(fn, repeat) for k, fn in cands.items()}
+        for k in cands:
+            times[k].append(t[k])
+            ratios[k].append(t[k] / t[base])
+    return times, ratios
+
+
+def _table(first: str, base: str, times: Series, ratios: Series, ms_digits: int) -> None:
+    print(f"| {first} | ms (median) | / {base} (median, min-max over rounds) |")
+    print("| --- | --- | --- |")
+    for k, r in ratios.items():
+        print(f"| {k} | {np.median(times[k]) * 1e3:.{ms_digits}f} | {np.median(r):.2f} "
+              f"({min(r):.2f}-{max(r):.2f}) |")
 
 
 def main() -> None:
@@ -109,23 +133,12 @@ def run_sums(args: argparse.Namespace) -> None:
         cands[f"bf16 {halfcast.kernel_path()}, {kind}, mean"] = summer(
             halfcast.sum_half, bfloat16, values, 0.5)
     base = "fp16, normal"
-    times: Dict[str, List[float]] = {k: [] for k in cands}
-    ratios: Dict[str, List[float]] = {k: [] for k in cands}
-    for _ in range(args.rounds):
-        t = {k: _time(fn, 3) for k, fn in cands.items()}
-        for k in cands:
-            times[k].append(t[k])
-            ratios[k].append(t[k] / t[base])
+    times, ratios = _rounds(cands, base, args.rounds, 3)
     print(f"# sum_half of 2 sources into a third array, {n} elements in 1 MiB chunks, "
           f"{args.rounds} rounds x 3 calls; bf16 paths here: "
           f"{', '.join(halfcast.kernel_paths()) or 'none (no compiled kernel)'} (default "
           f"{halfcast.kernel_path()}); {cpu_model()}; numpy {np.__version__}")
-    print(f"| sum, data | ms (median) | / {base} (median, min-max over rounds) |")
-    print("| --- | --- | --- |")
-    for k in cands:
-        r = ratios[k]
-        print(f"| {k} | {np.median(times[k]) * 1e3:.2f} | {np.median(r):.2f} "
-              f"({min(r):.2f}-{max(r):.2f}) |")
+    _table("sum, data", base, times, ratios, ms_digits=2)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -159,22 +172,11 @@ def run(args: argparse.Namespace) -> None:
                                                                         o16.view(u16))
         cands["bf16 round, portable C loop"] = lambda: kern.narrow_bf16_int(f32.view(u32),
                                                                          ob16.view(u16))
-    times: Dict[str, List[float]] = {k: [] for k in cands}
-    ratios: Dict[str, List[float]] = {k: [] for k in cands}
-    for _ in range(args.rounds):
-        t = {k: _time(fn, args.repeat) for k, fn in cands.items()}
-        for k in cands:
-            times[k].append(t[k])
-            ratios[k].append(t[k] / t["memcpy fp32"])
+    times, ratios = _rounds(cands, "memcpy fp32", args.rounds, args.repeat)
     print(f"# {n} elements ({n * 4 / 2**20:.1f} MiB fp32), {args.rounds} rounds x "
           f"{args.repeat} calls; halfcast path: {halfcast.path()}, bf16 {halfcast.kernel_path()}; "
           f"{cpu_model()}; numpy {np.__version__}")
-    print(f"| cast | ms (median) | / memcpy (median, min-max over rounds) |")
-    print("| --- | --- | --- |")
-    for k in cands:
-        r = ratios[k]
-        print(f"| {k} | {np.median(times[k]) * 1e3:.3f} | {np.median(r):.2f} "
-              f"({min(r):.2f}-{max(r):.2f}) |")
+    _table("cast", "memcpy", times, ratios, ms_digits=3)
 
 
 if __name__ == "__main__":

@@ -295,20 +295,19 @@ def thread_overhead(run: Dict[str, Any]) -> Optional[float]:
 def _floor_fails(run: Dict[str, Any]) -> Optional[str]:
     """Why a run's link measurement cannot be used (a step beat the floor it set: the link
     measured slow, so its beta is too large), or None."""
-    from mpifusion.tools.bench.cluster import cluster_checks
-    from mpifusion.tools.bench.targets import met
+    from mpifusion.tools.bench.cluster import FLOOR_SANE, fastest_x_floor
 
-    for what, value, target in cluster_checks(run["cluster"]):
-        if "floor's own check" in what and not met(value, target):
-            return f"a step ran at {value:.2f}x the floor its link measurement set"
+    low = fastest_x_floor(run["cluster"].get("rows", []))
+    if low and low[0] < FLOOR_SANE:
+        return f"a step ran at {low[0]:.2f}x the floor its link measurement set"
     return None
 
 
 def left_out(runs: List[Dict[str, Any]]) -> List[str]:
     """``N x p RATE: why`` of every run that the fit and the validation leave out."""
     return [f"{r['cluster']['meta']['nodes']} x {r['cluster']['meta']['ranks_per_node']} "
-            f"{r['rate']}: {_floor_fails(r)}" for r in runs
-            if r.get("cluster") and _floor_fails(r)]
+            f"{r['rate']}: {why}" for r in runs if r.get("cluster")
+            for why in [_floor_fails(r)] if why]
 
 
 def _cluster_runs(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -178,17 +178,23 @@ def cluster_checks(cluster: Dict[str, Any]) -> List[Tuple[str, float, str]]:
     if w:
         out.append((f"cluster: hierarchical / thread, 4-64 KiB (worst: {w[1]})", w[0],
                     "<= 1.0"))
-    # no step from 16 MiB can beat the floor (smaller ones may, through tbf's burst): one
-    # that does says the link was measured slow, and every ratio to the floor flatters
-    fastest = [(r[f"{k}_x_floor"], f"{k} at {r['label']}") for r in rows
-               if r["bytes"] >= FLOOR_FROM
-               for k in r["candidates"]  # node: the node's part alone, not an all-reduce
-               if k != "node" and r.get(f"{k}_x_floor") is not None]
-    if fastest:
-        low = min(fastest)
+    low = fastest_x_floor(rows)
+    if low:
         out.append((f"cluster: every step / link floor, the floor's own check (fastest: "
                     f"{low[1]})", low[0], f">= {FLOOR_SANE}"))
     return out
+
+
+def fastest_x_floor(rows: List[Dict[str, Any]]) -> Optional[Tuple[float, str]]:
+    """The fastest step from 16 MiB as ``(x floor, "CANDIDATE at SIZE")``, or None. No such
+    step can beat the floor (smaller ones may, through tbf's burst): one below
+    :data:`FLOOR_SANE` says the link was measured slow, and every ratio to the floor
+    flatters."""
+    steps = [(r[f"{k}_x_floor"], f"{k} at {r['label']}") for r in rows
+             if r["bytes"] >= FLOOR_FROM
+             for k in r["candidates"]  # node: the node's part alone, not an all-reduce
+             if k != "node" and r.get(f"{k}_x_floor") is not None]
+    return min(steps) if steps else None
 
 
 def layout(comm: MPI.Comm) -> Optional[Dict[str, Any]]:
